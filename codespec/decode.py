@@ -1,0 +1,86 @@
+"""The speculative step: draft -> verify every draft token in one target forward -> accept.
+
+Greedy output is token-for-token the output of plain greedy decoding; sampled output has the target's
+distribution (see sampling.py). Drafters change how many tokens one forward yields, never which.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import Sampler
+from .session import Session
+from .stats import GenerationStats
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # tokens this step appended to the history
+    drafted: int  # draft tokens that were verified
+    accepted: int  # of those, tokens the target agreed with
+    finished: str | None = None  # "eos" or "length" when generation must stop here
+
+
+def forward(model, cache, input_ids: list[int], logits_to_keep: int) -> torch.Tensor:
+    """One target forward over input_ids on top of the cache. Returns logits: [logits_to_keep, vocab]."""
+    ids = torch.tensor([input_ids], dtype=torch.long, device=model.device)  # [1, q]
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+    return out.logits[0]
+
+
+def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget: int,
+                     context: int, eos_ids: frozenset[int]) -> Step:
+    """One step: at most `budget` new tokens, never past `context` positions or past an EOS."""
+    history = session.history
+    room = context - len(history)  # positions left for draft tokens plus the target's own token
+    draft = session.chain.draft(history, min(draft_max, budget - 1, room - 1))
+    drafted = draft.tokens if draft else []  # [k]
+
+    # verify: the pending tokens and the whole draft in one forward
+    inputs = session.pending + drafted  # [p + k]
+    logits = forward(session.model, session.cache, inputs, len(drafted) + 1)  # [k+1, vocab]
+    accepted, next_token = sampler.verify(logits, drafted, draft.probs if draft else None)
+
+    # accept the agreeing prefix plus the target's own token; never emit past an EOS or the budget
+    new_tokens = drafted[:accepted] + [next_token]
+    finished = None
+    for index, token in enumerate(new_tokens):
+        if token in eos_ids:
+            new_tokens, finished = new_tokens[: index + 1], "eos"
+            break
+    if len(new_tokens) >= budget:
+        new_tokens, finished = new_tokens[:budget], finished or "length"
+    accepted = min(accepted, len(new_tokens))
+
+    session.append(new_tokens)
+    session.crop_cache(session.length - 1)  # rejected draft tokens leave the cache; the last token is pending
+    if session.length >= context:
+        finished = finished or "length"
+    session.chain.accept(session.history, len(drafted), accepted)
+    return Step(new_tokens, len(drafted), accepted, finished)
+
+
+def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,
+                   max_tokens: int, context: int, eos_ids: frozenset[int],
+                   stats: GenerationStats) -> Iterator[Step]:
+    """Run steps until EOS, max_tokens or the context is full, updating `stats` as it goes."""
+    started = time.perf_counter()
+    stats.prompt_tokens = len(prompt)
+    stats.cached_tokens = session.prepare(prompt)
+    session.chain.begin(session.history)
+    while True:
+        step = speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context, eos_ids)
+        if stats.target_forwards == 0:
+            stats.prefill_seconds = time.perf_counter() - started
+        stats.target_forwards += 1
+        stats.generated_tokens += len(step.tokens)
+        stats.drafted_tokens += step.drafted
+        stats.accepted_tokens += step.accepted
+        stats.seconds = time.perf_counter() - started
+        yield step
+        if step.finished:
+            return

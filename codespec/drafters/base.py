@@ -1,0 +1,48 @@
+"""The interface every drafter implements.
+
+A drafter proposes tokens that the target model will probably produce next. It only ever changes
+speed: the decode loop verifies every draft token against the target.
+
+Lifecycle, per session:
+  begin(history)                  a generation starts; history ends with the new prompt
+  draft(history, max_tokens)      propose up to max_tokens tokens to follow history (or None)
+  accept(history, drafted, accepted)
+                                  tokens were appended to history; drafted/accepted describe this
+                                  drafter's own last draft (0, 0 when the draft came from another one)
+  truncate(new_len)               history was cut back to new_len tokens (an edit above the cursor, a
+                                  regeneration, a stripped block): forget what only the removed tokens taught
+
+`history` is a read-only numpy int64 array of the session's tokens, valid only during the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # The distributions the tokens were sampled from ([k, vocab]); None for deterministic drafters.
+    # With them the sampler uses rejection sampling with a residual distribution instead of exact match.
+    probs: torch.Tensor | None = None
+
+
+class Drafter:
+    name: ClassVar[str] = "drafter"
+
+    def begin(self, history: np.ndarray) -> None:
+        pass
+
+    def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
+        raise NotImplementedError
+
+    def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
+        pass
+
+    def truncate(self, new_len: int) -> None:
+        pass

@@ -1,0 +1,62 @@
+"""A chain of drafters: the first non-empty draft wins; every drafter hears every event and is timed."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..stats import DrafterStats
+from .base import Draft, Drafter
+
+
+class Chain:
+    def __init__(self, drafters: list[Drafter], draft_min: int = 1):
+        self.drafters = drafters
+        self.draft_min = draft_min
+        self.stats = [DrafterStats(name=d.name) for d in drafters]
+        self._last: int | None = None  # index of the drafter whose draft is being verified
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.drafters)
+
+    def begin(self, history: np.ndarray) -> None:
+        for drafter, stats in zip(self.drafters, self.stats):
+            started = time.perf_counter()
+            drafter.begin(history)
+            stats.begin_s += time.perf_counter() - started
+
+    def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
+        self._last = None
+        if max_tokens < self.draft_min:
+            return None
+        for index, (drafter, stats) in enumerate(zip(self.drafters, self.stats)):
+            started = time.perf_counter()
+            proposal = drafter.draft(history, max_tokens)
+            stats.draft_s += time.perf_counter() - started
+            stats.calls += 1
+            if proposal is not None and len(proposal.tokens) >= self.draft_min:
+                proposal.tokens = proposal.tokens[:max_tokens]
+                stats.gen_drafts += 1
+                stats.gen_tokens += len(proposal.tokens)
+                self._last = index
+                return proposal
+        return None
+
+    def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
+        for index, (drafter, stats) in enumerate(zip(self.drafters, self.stats)):
+            own = index == self._last
+            if own:
+                stats.acc_tokens += accepted
+                stats.acc_drafts += accepted > 0
+            started = time.perf_counter()
+            drafter.accept(history, drafted if own else 0, accepted if own else 0)
+            stats.accept_s += time.perf_counter() - started
+        self._last = None
+
+    def truncate(self, new_len: int) -> None:
+        for drafter, stats in zip(self.drafters, self.stats):
+            started = time.perf_counter()
+            drafter.truncate(new_len)
+            stats.accept_s += time.perf_counter() - started

@@ -1,0 +1,197 @@
+"""The engine: one model, its tokenizer, and many sessions. Text in, text and statistics out.
+
+Nothing above the engine touches tensors; nothing below it knows about HTTP or LSP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from .config import ModelConfig, SamplingParams, SpecConfig
+from .decode import generate_steps
+from .drafters import build_chain
+from .errors import CodespecError
+from .sampling import Sampler
+from .session import Session
+from .stats import GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "eos", "stop" (a stop string) or "length"
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output: the text that became final and the tokens of this step."""
+
+    text: str
+    tokens: list[int]
+    result: GenerationResult | None = None  # set on the last chunk
+
+
+@dataclass
+class Engine:
+    model: object
+    tokenizer: object
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    eos_token_ids: frozenset[int] = frozenset()
+    sessions: dict[str, Session] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.spec.validate()
+        if not self.eos_token_ids:
+            self.eos_token_ids = frozenset(eos_ids(self.model, self.tokenizer))
+
+    @classmethod
+    def load(cls, model_config: ModelConfig | None = None, spec: SpecConfig | None = None,
+             show_progress: bool = True) -> "Engine":
+        from .models import load
+
+        model, tokenizer = load(model_config or ModelConfig(), show_progress=show_progress)
+        return cls(model, tokenizer, spec or SpecConfig())
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def session(self, session_id: str | None = None, spec: SpecConfig | None = None) -> Session:
+        """The named session (created on first use); None gives a fresh, unnamed one."""
+        spec = spec or self.spec
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is None:
+            session = Session(self.model, build_chain(spec), session_id)
+            if session_id is not None:
+                self.sessions[session_id] = session
+        elif session.chain.names != spec.spec:
+            session.use_chain(build_chain(spec))
+        return session
+
+    def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
+        if not text:
+            raise CodespecError("the prompt is empty")
+        if not chat:
+            return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise CodespecError("this model has no chat template; drop --chat")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               session_id: str | None = None, spec: SpecConfig | None = None,
+               chat: bool = False) -> Iterator[Chunk]:
+        """Generate, yielding text as it becomes final; the last chunk carries the result."""
+        params = params or SamplingParams()
+        spec = spec or self.spec
+        try:
+            params.validate()
+            spec.validate()
+        except ValueError as exc:
+            raise CodespecError(str(exc)) from None
+        prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise CodespecError("the prompt is empty")
+        if len(prompt_ids) >= self.context_length:
+            raise CodespecError(
+                f"the prompt is {len(prompt_ids)} tokens but the model's context is {self.context_length}")
+        session = self.session(session_id, spec)
+        before = [s.copy() for s in session.chain.stats]
+        stats = GenerationStats()
+        text = TextAssembler(self.tokenizer, params.stop)
+        steps = generate_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
+                               self.context_length, self.eos_token_ids, stats)
+        finish_reason = "length"
+        for step in steps:
+            delta, stop_at = text.add(step.tokens)
+            if stop_at is not None:
+                # a stop string ended the text: the tokens after the one that completed it are dropped
+                session.truncate(len(prompt_ids) + stop_at)
+                stats.generated_tokens = stop_at
+                finish_reason = "stop"
+                break
+            if step.finished:
+                finish_reason = step.finished
+                delta += text.flush()
+                break
+            if delta:
+                yield Chunk(delta, step.tokens)
+        stats.drafters = [now.since(then) for now, then in zip(session.chain.stats, before)]
+        result = GenerationResult(text.text, text.tokens, finish_reason, stats)
+        yield Chunk(delta, step.tokens, result)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **options) -> GenerationResult:
+        for chunk in self.stream(prompt, params, **options):
+            if chunk.result is not None:
+                return chunk.result
+        raise AssertionError("stream ended without a result")
+
+    def with_spec(self, **changes) -> SpecConfig:
+        return replace(self.spec, **changes)
+
+
+class TextAssembler:
+    """Detokenises generated tokens incrementally, holds back text that could still become a stop
+    string or an incomplete UTF-8 character, and finds where a stop string ends the output."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.tokens: list[int] = []
+        self.text = ""  # the output so far (final once generation ends)
+        self.sent = 0  # characters already handed out
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def add(self, tokens: list[int]) -> tuple[str, int | None]:
+        """Append tokens; return (text safe to send, token count at which a stop string ended the text)."""
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        self.text = self.decode(self.tokens)
+        for stop in self.stop:
+            at = self.text.find(stop, max(0, self.sent - len(stop)))
+            if at != -1:
+                # the fewest tokens whose text contains the stop string
+                count = next(n for n in range(start + 1, len(self.tokens) + 1)
+                             if stop in self.decode(self.tokens[:n]))
+                self.tokens = self.tokens[:count]
+                self.text = self.text[:at]
+                return self.flush(), count
+        safe = len(self.text)
+        if self.text.endswith("\ufffd"):
+            safe -= 1
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:size]):
+                    safe = min(safe, len(self.text) - size)
+                    break
+        return self.take(safe), None
+
+    def take(self, end: int) -> str:
+        delta = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+    def flush(self) -> str:
+        return self.take(len(self.text))
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

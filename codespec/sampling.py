@@ -1,0 +1,96 @@
+"""Turn target logits into accepted tokens: greedy, or lossless speculative sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, as transformers applies them. logits: [n, vocab] -> probs."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already cover top_p
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+class Sampler:
+    """Decides how much of a draft the target accepts, and the target's own next token.
+
+    Every method gets logits: [k+1, vocab] for the positions after the last pending token and after
+    each of the k draft tokens, and returns (accepted draft tokens, next token).
+    """
+
+    def __init__(self, params: SamplingParams, device: str = "cpu"):
+        self.params = params
+        self.generator = torch.Generator(device="cpu")
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0.0
+
+    def verify(self, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None = None):
+        if self.greedy:
+            return verify_greedy(logits, draft)
+        probs = warp(logits, self.params).cpu()
+        if draft_probs is None:
+            return verify_sampled_exact(probs, draft, self.generator)
+        return verify_rejection(probs, draft, draft_probs.float().cpu(), self.generator)
+
+
+def verify_greedy(logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+    """Accept the longest prefix of the draft that matches the target's argmax, then its own next token."""
+    targets = logits.argmax(-1).tolist()  # [k+1]
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted, targets[accepted]
+
+
+def verify_sampled_exact(probs: torch.Tensor, draft: list[int], generator) -> tuple[int, int]:
+    """Deterministic drafts: sample the target at every position and accept while it equals the draft.
+
+    A deterministic draft token d has q(d) = 1, so rejection sampling accepts it with probability p(d)
+    and otherwise resamples from p restricted to tokens != d: exactly "sample from p, compare".
+    Samples past the first mismatch are discarded, so every emitted token is drawn from the target.
+    """
+    samples = torch.multinomial(probs, 1, generator=generator).squeeze(-1).tolist()  # [k+1]
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == samples[accepted]:
+        accepted += 1
+    return accepted, samples[accepted]
+
+
+def verify_rejection(probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor, generator):
+    """Sampled drafts with distributions q (a draft model): accept d with probability min(1, p(d)/q(d));
+    on rejection draw from normalise(max(p - q, 0)). Lossless for any q (Leviathan et al., 2023).
+
+    probs: [k+1, vocab] target; draft_probs: [k, vocab] the distributions each draft token was drawn from.
+    """
+    k = len(draft)
+    index = torch.arange(k)
+    draft_ids = torch.tensor(draft, dtype=torch.long)
+    p_draft = probs[index, draft_ids]  # [k]
+    q_draft = draft_probs[index, draft_ids]  # [k]
+    uniforms = torch.rand(k, generator=generator)
+    accept = uniforms * q_draft <= p_draft  # u < p/q without dividing by a zero q
+    accepted = int(accept.int().cumprod(0).sum()) if k else 0
+    if accepted < k:
+        residual = (probs[accepted] - draft_probs[accepted]).clamp_min(0)
+        total = residual.sum()
+        residual = residual / total if total > 0 else probs[accepted]
+        return accepted, int(torch.multinomial(residual, 1, generator=generator))
+    return accepted, int(torch.multinomial(probs[k], 1, generator=generator))

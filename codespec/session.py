@@ -1,0 +1,80 @@
+"""A session: one token history and the KV cache that covers it.
+
+Invariant between steps: the cache holds keys/values for history[:cached]; the tokens after that
+(`pending`, at least one) are fed with the next forward. Editors resend nearly the same prompt on every
+keystroke, so a new prompt keeps the longest common prefix and prefills only the rest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from transformers import DynamicCache
+
+from .drafters import Chain
+
+
+class Session:
+    def __init__(self, model, chain: Chain, session_id: str | None = None):
+        self.id = session_id
+        self.model = model
+        self.chain = chain
+        self.cache = DynamicCache(config=model.config)
+        self._tokens = np.zeros(1024, dtype=np.int64)
+        self.length = 0
+
+    @property
+    def history(self) -> np.ndarray:
+        view = self._tokens[: self.length]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    @property
+    def pending(self) -> list[int]:
+        return self._tokens[self.cached : self.length].tolist()
+
+    def prepare(self, prompt: list[int]) -> int:
+        """Make the history equal to `prompt`, reusing the common prefix; return the prompt tokens reused."""
+        shared = min(self.length, len(prompt))
+        prompt_array = np.asarray(prompt, dtype=np.int64)
+        mismatch = np.flatnonzero(self._tokens[:shared] != prompt_array[:shared])
+        common = int(mismatch[0]) if mismatch.size else shared
+        if common < self.length:
+            self.truncate(common)  # the history was rewritten: tell the drafters
+        self.append(prompt[common:])
+        # at least the last prompt token must be fed, to get the logits for the first new token
+        self.crop_cache(min(self.cached, len(prompt) - 1))
+        return self.cached
+
+    def append(self, tokens: list[int]) -> None:
+        needed = self.length + len(tokens)
+        if needed > len(self._tokens):
+            grown = np.zeros(max(needed, 2 * len(self._tokens)), dtype=np.int64)
+            grown[: self.length] = self._tokens[: self.length]
+            self._tokens = grown
+        self._tokens[self.length : needed] = tokens
+        self.length = needed
+
+    def truncate(self, new_len: int) -> None:
+        """Cut the history back to new_len tokens; the cache follows and every drafter is told."""
+        if new_len >= self.length:
+            return
+        self.length = new_len
+        self.crop_cache(min(self.cached, max(new_len - 1, 0)))
+        self.chain.truncate(new_len)
+
+    def crop_cache(self, new_len: int) -> None:
+        excess = self.cached - new_len
+        if excess > 0:
+            self.cache.crop(-excess)  # transformers 5: a negative count removes that many tokens
+
+    def use_chain(self, chain: Chain) -> None:
+        """Swap the drafters (a request asked for another spec); the new ones start from this history."""
+        self.chain = chain
+
+    def reset(self) -> None:
+        self.truncate(0)
+        self.cache = DynamicCache(config=self.model.config)
