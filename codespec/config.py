@@ -45,7 +45,7 @@ class SpecConfig:
     spec: tuple[str, ...] = ("prompt-lookup",)  # drafter chain; the first non-empty draft wins
     draft_max: int = 16  # verifying up to ~8-16 tokens costs about one forward on a CPU
     draft_min: int = 1  # shorter drafts are dropped
-    ngram_min: int = 1  # prompt-lookup: shortest trailing n-gram to look up
+    ngram_min: int = 2  # prompt-lookup: shortest trailing n-gram to look up (1 drafts too much junk)
     ngram_max: int = 4  # prompt-lookup: longest trailing n-gram, tried first
 
     def validate(self) -> None:

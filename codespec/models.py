@@ -23,7 +23,7 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {DEFAULT_MODEL, DEFAULT_NAME, "default"}
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+          "float16": "float16", "fp16": "float16", "float64": "float64"}  # float64: exactness checks
 
 
 def models_dir() -> Path:

@@ -63,7 +63,7 @@ class Session:
         if new_len >= self.length:
             return
         self.length = new_len
-        self.crop_cache(min(self.cached, max(new_len - 1, 0)))
+        self.crop_cache(min(self.cached, new_len))  # prepare() leaves the last token pending again
         self.chain.truncate(new_len)
 
     def crop_cache(self, new_len: int) -> None:

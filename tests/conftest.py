@@ -1,0 +1,37 @@
+import numpy as np
+import pytest
+import torch
+
+from codespec.config import SpecConfig
+from codespec.engine import Engine
+from tests.tiny import EOS, save_tiny, tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model():
+    torch.set_grad_enabled(False)
+    return tiny_model()
+
+
+@pytest.fixture
+def engine(model, tokenizer):
+    return Engine(model, tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+
+def random_prompt(rng: np.random.Generator, length: int, repetitive: bool) -> list[int]:
+    """Random token prompts; repetitive ones repeat a short motif so prompt lookup has matches."""
+    if not repetitive:
+        return rng.integers(1, 384, size=length).tolist()
+    motif = rng.integers(1, 384, size=int(rng.integers(3, 9))).tolist()
+    noise = rng.integers(1, 384, size=length).tolist()
+    return [motif[i % len(motif)] if rng.random() < 0.85 else noise[i] for i in range(length)]
