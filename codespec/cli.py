@@ -163,6 +163,9 @@ def quiet_libraries() -> None:
 
         logging.set_verbosity_error()
         logging.disable_progress_bar()
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()
     except ImportError:
         pass
 

@@ -187,11 +187,10 @@ def load(config: ModelConfig, show_progress: bool = True):
     kind, _ = model_source(config.model)
     location = str(pull(config.model, show_progress=show_progress)) if kind == "cache" else config.model
     options = dict(dtype=dtype, **config.extra)
+    if kind == "hub" and not hub_reachable():
+        options["local_files_only"] = True  # only a copy already in the hub cache can work
     try:
-        if kind == "hub":
-            tokenizer = AutoTokenizer.from_pretrained(location)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(location)
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=options.get("local_files_only", False))
         model = AutoModelForCausalLM.from_pretrained(location, **options)
     except OSError as exc:
         if kind == "hub":
@@ -205,6 +204,23 @@ def load(config: ModelConfig, show_progress: bool = True):
     model.to(device).eval()
     torch.set_grad_enabled(False)
     return model, tokenizer
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe of the hub, so that an offline machine fails in seconds, not after a minute of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def first_line(exc: BaseException) -> str:

@@ -1,0 +1,91 @@
+"""The embedded default model (SmolLM2-135M-Instruct) in float32: speculation never changes the text."""
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from codespec.config import SamplingParams, SpecConfig
+from codespec.models import default_checkpoint, pull
+
+pytestmark = pytest.mark.integration
+
+NONE = SpecConfig(spec=("none",))
+LOOKUP = SpecConfig(spec=("prompt-lookup",))
+LOOKUP_LONG = SpecConfig(spec=("prompt-lookup",), draft_max=48, ngram_min=1, ngram_max=6)
+
+
+def edit_prompt() -> str:
+    source = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._split))
+    return f"Rewrite this Python method, renaming `chunks` to `pieces`. Reply with the code only.\n\n```python\n{source}```"
+
+
+PROMPTS = {
+    "edit": (edit_prompt(), True),
+    "completion": (textwrap.dedent(inspect.getsource(textwrap.indent))[:400], False),
+    "prose": ("Explain in two paragraphs why caching makes software faster.", True),
+}
+
+
+def test_pull_is_idempotent(default_engine):
+    path = pull(show_progress=False)
+    assert path == default_checkpoint()
+    assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    assert default_engine.model.config.num_hidden_layers == 30
+    assert default_engine.model.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_identity_on_the_default_model(default_engine, name):
+    text, chat = PROMPTS[name]
+    prompt = default_engine.encode(text, chat=chat)
+    params = SamplingParams(max_tokens=96)
+    plain = default_engine.generate(prompt, params, spec=NONE)
+    assert len(plain.tokens) > 10
+    for spec in (LOOKUP, LOOKUP_LONG):
+        fast = default_engine.generate(prompt, params, spec=spec)
+        assert fast.tokens == plain.tokens and fast.text == plain.text
+    model = default_engine.model
+    for options in ({}, {"prompt_lookup_num_tokens": 10}):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=96, do_sample=False, **options)
+        assert out[0, len(prompt):].tolist() == plain.tokens, options
+    if name == "edit":  # an edit copies its input: speculation must pay off here
+        assert default_engine.generate(prompt, params, spec=LOOKUP).stats.tokens_per_forward > 2.0
+
+
+def test_multi_turn_session_reuses_the_cache(default_engine):
+    engine = default_engine
+    messages = [{"role": "user", "content": edit_prompt()}]
+    first_prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    first = engine.generate(first_prompt, SamplingParams(max_tokens=48), session_id="chat")
+    messages += [{"role": "assistant", "content": first.text},
+                 {"role": "user", "content": "Now add a docstring."}]
+    second_prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    warm = engine.generate(second_prompt, SamplingParams(max_tokens=48), session_id="chat")
+    cold = engine.generate(second_prompt, SamplingParams(max_tokens=48), spec=NONE)
+    assert warm.tokens == cold.tokens
+    assert warm.stats.cached_tokens >= len(first_prompt)
+
+
+def test_seeded_sampling_is_reproducible(default_engine):
+    prompt = default_engine.encode(PROMPTS["prose"][0], chat=True)
+    params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=7)
+    a = default_engine.generate(prompt, params, spec=LOOKUP)
+    b = default_engine.generate(prompt, params, spec=LOOKUP)
+    assert a.tokens == b.tokens and len(a.tokens) > 0
+
+
+def test_cli_generate_json_on_the_default_model(default_engine):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    done = subprocess.run([sys.executable, "-m", "codespec", "generate", "--chat", "--json", "--max-tokens", "24",
+                           "--dtype", "float32", "Write a Python function that reverses a string."],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["text"].strip() and data["stats"]["generated_tokens"] == len(data["tokens"]) <= 24
+    assert data["stats"]["drafters"][0]["name"] == "prompt-lookup"

@@ -1,0 +1,104 @@
+"""The CLI: bad input gives one line and a non-zero exit; good input gives text or JSON."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from codespec.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--spec", "medusa", "x"], 2, "unknown spec"),
+    (["--spec", "prompt-lookup,nope", "x"], 2, "unknown spec"),
+    (["--draft-max", "0", "x"], 2, "outside 1..256"),
+    (["--draft-max", "257", "x"], 2, "outside 1..256"),
+    (["--draft-max", "many", "x"], 2, "not an integer"),
+    (["--draft-min", "9", "--draft-max", "4", "x"], 1, "draft-min"),
+    (["--top-p", "0", "x"], 1, "top-p"),
+    (["--temperature", "-1", "x"], 1, "temperature"),
+    (["   "], 1, "empty"),
+    (["--model", "./no/such/dir", "x"], 1, "model path not found"),
+    (["--model", "missing.gguf", "x"], 1, "model file not found"),
+    (["--file", "/no/such/prompt.txt"], 1, "cannot read"),
+])
+def test_bad_input_is_one_line(capsys, args, code, message):
+    with pytest.raises(SystemExit) if code == 2 else _noop() as raised:
+        result = main(["generate", *args])
+    captured = capsys.readouterr()
+    actual = raised.value.code if code == 2 else result
+    assert actual == code
+    assert message in captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+
+
+class _noop:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_directory_without_config(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path), "x")
+    assert code == 1 and "no config.json" in err
+
+
+def test_unknown_device_and_dtype(capsys, tiny_dir):
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_dir), "--device", "tpu9", "x")
+    assert code == 1 and "unknown device" in err
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_dir), "--dtype", "float8", "x")
+    assert code == 1 and "unknown dtype" in err
+
+
+def test_prompt_longer_than_context(capsys, tiny_dir, tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("def f(x):\n    return x\n" * 400)
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_dir), "--file", str(prompt))
+    assert code == 1 and "context is 512" in err
+
+
+def test_json_output(capsys, tiny_dir):
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_dir), "--json", "--max-tokens", "12",
+                           "--spec", "prompt-lookup", "--draft-max", "8", "def wrap(text):\n    return wrap(text)\n")
+    assert code == 0
+    data = json.loads(out)
+    assert isinstance(data["text"], str) and len(data["tokens"]) <= 12
+    for key in ("generated_tokens", "target_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                "tokens_per_forward", "seconds", "tokens_per_second", "drafters"):
+        assert key in data["stats"]
+    assert data["stats"]["drafters"][0]["name"] == "prompt-lookup"
+    assert data["stats"]["generated_tokens"] == len(data["tokens"])
+
+
+def cli_process(*args, stdin=""):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    return subprocess.run([sys.executable, "-m", "codespec", *args], input=stdin, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_streaming_text_from_stdin_with_stats_on_stderr(tiny_dir):
+    """A real process: text on stdout, one stats line per generation (+ one per drafter) on stderr."""
+    plain = cli_process("generate", "--model", str(tiny_dir), "--max-tokens", "16", "--spec", "none",
+                        stdin="def wrap(text, width):\n")
+    fast = cli_process("generate", "--model", str(tiny_dir), "--max-tokens", "16", "--spec", "prompt-lookup",
+                       stdin="def wrap(text, width):\n")
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+    assert plain.stdout == fast.stdout and plain.stdout.strip()
+    assert "tok/s" in fast.stderr and "#acc tokens" in fast.stderr and "Traceback" not in fast.stderr
+
+
+def test_hub_id_fails_cleanly_when_unreachable(tiny_dir):
+    """No hub is reachable here (and this repository does not exist anywhere): one line, exit 1."""
+    done = cli_process("generate", "--model", "codespec-tests/no-such-model", "x")
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith("codespec: error:") and len(done.stderr.strip().splitlines()) == 1

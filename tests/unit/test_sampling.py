@@ -1,0 +1,124 @@
+"""Speculative sampling has exactly the target's distribution. Seeds are fixed, so these tests are
+deterministic; the thresholds are chi-square critical values at p = 0.001."""
+
+import numpy as np
+import pytest
+import torch
+
+from codespec.config import SamplingParams
+from codespec.decode import generate_steps
+from codespec.drafters import Chain, Draft, Drafter
+from codespec.drafters.none import NoDrafter
+from codespec.sampling import Sampler, verify_rejection, verify_sampled_exact, warp
+from codespec.stats import GenerationStats
+from tests.tiny import EOS
+
+CHI2_CRITICAL = {4: 18.47, 8: 26.12}  # df -> critical value at p = 0.001
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    mask = expected > 0
+    assert counts[~mask].sum() == 0, "a token with probability 0 was sampled"
+    return float(((counts[mask] - expected[mask]) ** 2 / expected[mask]).sum())
+
+
+def test_warp_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    assert torch.allclose(warp(logits, SamplingParams(temperature=1.0)), torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    top2 = warp(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
+    top_p = warp(logits, SamplingParams(temperature=1.0, top_p=0.8))  # 0.5 + 0.2 < 0.8, so 0.15 is kept too
+    assert torch.allclose(top_p, torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
+    cold = warp(logits, SamplingParams(temperature=0.25))
+    assert cold[0, 0] > 0.95
+
+
+P = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+Q = torch.tensor([0.1, 0.1, 0.5, 0.2, 0.1])
+
+
+def first_token_counts(trials: int, verify) -> np.ndarray:
+    generator = torch.Generator().manual_seed(1234)
+    counts = np.zeros(len(P))
+    for _ in range(trials):
+        counts[verify(generator)] += 1
+    return counts
+
+
+def test_exact_match_with_a_deterministic_draft_samples_the_target():
+    probs = torch.stack([P, P])  # [k+1, vocab], k = 1
+
+    def verify(generator):
+        accepted, token = verify_sampled_exact(probs, [2], generator)
+        return 2 if accepted else token
+
+    assert chi_square(first_token_counts(6000, verify), P.numpy()) < CHI2_CRITICAL[4]
+
+
+def test_rejection_sampling_with_draft_probabilities_samples_the_target():
+    probs = torch.stack([P, P])
+
+    def verify(generator):
+        draft = int(torch.multinomial(Q, 1, generator=generator))
+        accepted, token = verify_rejection(probs, [draft], Q[None], generator)
+        return draft if accepted else token
+
+    assert chi_square(first_token_counts(6000, verify), P.numpy()) < CHI2_CRITICAL[4]
+
+
+def test_rejection_sampling_accepts_everything_when_draft_equals_target():
+    """Exact match would accept only sum(p^2) = 29% here; rejection sampling accepts all."""
+    generator = torch.Generator().manual_seed(5)
+    probs = torch.stack([P, P])
+    accepted = 0
+    for _ in range(500):
+        draft = int(torch.multinomial(P, 1, generator=generator))
+        accepted += verify_rejection(probs, [draft], P[None], generator)[0]
+    assert accepted == 500
+
+
+class Fixed(Drafter):
+    """Drafts a fixed continuation of the prompt (deterministic drafts)."""
+
+    name = "fixed"
+
+    def __init__(self, prompt_len, tokens):
+        self.prompt_len, self.tokens = prompt_len, tokens
+
+    def draft(self, history, max_tokens):
+        done = len(history) - self.prompt_len
+        return Draft(self.tokens[done : done + max_tokens]) if done < len(self.tokens) else None
+
+
+@pytest.mark.parametrize("drafter", ["none", "fixed"])
+def test_speculative_sampling_matches_the_models_distribution(model, drafter):
+    """The joint distribution of the first two sampled tokens equals the exact one from the model."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2, seed=99)
+    prompt = [5, 17, 42, 17, 42, 17]
+    first = warp(model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+    support1 = torch.nonzero(first).flatten().tolist()
+    exact, outcomes = [], []
+    for t1 in support1:
+        second = warp(model(torch.tensor([prompt + [t1]])).logits[0, -1:], params)[0]
+        for t2 in torch.nonzero(second).flatten().tolist():
+            outcomes.append((t1, t2))
+            exact.append(float(first[t1] * second[t2]))
+    greedy1 = int(first.argmax())
+    greedy2 = int(warp(model(torch.tensor([prompt + [greedy1]])).logits[0, -1:], params)[0].argmax())
+
+    from codespec.session import Session
+
+    session = Session(model, Chain([NoDrafter() if drafter == "none" else Fixed(len(prompt), [greedy1, greedy2])]))
+    sampler = Sampler(params)
+    counts = np.zeros(len(outcomes))
+    drafted = accepted = 0
+    for _ in range(1500):
+        stats = GenerationStats()
+        tokens = [t for step in generate_steps(session, prompt, sampler, 2, 2, 512, frozenset({EOS}), stats)
+                  for t in step.tokens]
+        counts[outcomes.index(tuple(tokens))] += 1
+        drafted, accepted = drafted + stats.drafted_tokens, accepted + stats.accepted_tokens
+    assert chi_square(counts, np.array(exact)) < CHI2_CRITICAL[8]
+    if drafter == "fixed":  # the drafts were really used: often accepted, often rejected
+        assert 0.2 < accepted / drafted < 0.9
