@@ -73,7 +73,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
+    bench = commands.add_parser("bench", help="measure speculation against plain decoding and transformers")
+    add_model_options(bench)
+    bench.add_argument("--workloads", type=bounded_int(1, 3), default=1, help="edit workloads to run (1-3)")
+    bench.add_argument("--repeats", type=bounded_int(1, 50), default=3, help="runs per configuration (median)")
+    bench.add_argument("--max-tokens", type=bounded_int(1, 4096), default=256)
+    bench.add_argument("--draft-max", type=bounded_int(1, DRAFT_MAX_LIMIT), default=defaults.draft_max)
+    bench.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
     return parser
+
+
+def run_bench(args) -> int:
+    from tqdm.auto import tqdm
+
+    from .bench.runner import default_configs, format_table, report, run_bench as bench
+    from .bench.workloads import edit_workloads
+    from .engine import Engine
+
+    engine = Engine.load(ModelConfig(model=args.model, device=args.device, dtype=args.dtype))
+    workloads = edit_workloads(args.workloads)
+    configs = default_configs(args.draft_max)
+    with tqdm(total=len(workloads) * len(configs) * args.repeats, desc="bench", unit="run") as progress:
+        rows = bench(engine, workloads, configs, args.repeats, args.max_tokens, progress)
+    summary = report(rows, args.max_tokens, str(engine.model.device), str(engine.model.dtype))
+    print(format_table(summary))
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as handle:
+            json.dump(summary, handle, indent=2)
+    return 0
 
 
 def read_prompt(args) -> str:
@@ -140,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
     try:
-        return {"pull": run_pull, "generate": run_generate}[args.command](args)
+        return {"pull": run_pull, "generate": run_generate, "bench": run_bench}[args.command](args)
     except CodespecError as exc:
         print(f"codespec: error: {exc}", file=sys.stderr)
         return 1

@@ -89,3 +89,20 @@ def test_cli_generate_json_on_the_default_model(default_engine):
     data = json.loads(done.stdout)
     assert data["text"].strip() and data["stats"]["generated_tokens"] == len(data["tokens"]) <= 24
     assert data["stats"]["drafters"][0]["name"] == "prompt-lookup"
+
+
+def test_local_gguf_is_converted_once_and_loads(tmp_path, monkeypatch, default_engine):
+    """`--model FILE.gguf`: converted into $CODESPEC_HOME on first use, then loaded like a checkpoint."""
+    from codespec.config import ModelConfig
+    from codespec.engine import Engine
+    from codespec.models import locate_default_gguf
+
+    monkeypatch.setenv("CODESPEC_HOME", str(tmp_path))
+    gguf = locate_default_gguf()
+    converted = pull(str(gguf), show_progress=False)
+    assert converted.parent == tmp_path / "models" and (converted / "model.safetensors").is_file()
+    assert pull(str(gguf), show_progress=False) == converted  # the second time is a lookup
+    engine = Engine.load(ModelConfig(model=str(gguf), dtype="float32"), show_progress=False)
+    prompt = engine.encode("def add(a, b):\n")
+    params = SamplingParams(max_tokens=16)
+    assert engine.generate(prompt, params).tokens == default_engine.generate(prompt, params).tokens

@@ -1,0 +1,1 @@
+"""`codespec bench`: speed measured side by side in one process, as ratios, medians of repeats."""
