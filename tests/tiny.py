@@ -10,6 +10,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from codespec.drafters import Draft, Drafter
+
 VOCAB = 384
 EOS = 0  # "<eos>" is the first special token the trainer adds
 
@@ -46,3 +48,16 @@ def save_tiny(directory: Path, context: int = 512) -> Path:
     tiny_model(context=context, dtype=torch.float32).save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
     return directory
+
+
+class FixedContinuation(Drafter):
+    """Drafts a known continuation of the prompt (including anything past an EOS), deterministically."""
+
+    name = "fixed"
+
+    def __init__(self, prompt_len: int, continuation: list[int]):
+        self.prompt_len, self.continuation = prompt_len, continuation
+
+    def draft(self, history, max_tokens):
+        done = len(history) - self.prompt_len
+        return Draft(self.continuation[done : done + max_tokens]) if done < len(self.continuation) else None

@@ -11,7 +11,7 @@ from codespec.errors import CodespecError
 from codespec.sampling import Sampler
 from codespec.stats import GenerationStats
 from tests.conftest import random_prompt
-from tests.tiny import EOS
+from tests.tiny import EOS, FixedContinuation
 
 NONE = SpecConfig(spec=("none",))
 LOOKUP = SpecConfig(spec=("prompt-lookup",), draft_max=16, ngram_min=1, ngram_max=3)
@@ -142,26 +142,13 @@ def test_rejected_draft_tokens_leave_the_cache(engine, model):
     assert stats.target_forwards == len(tokens)
 
 
-class Oracle(Drafter):
-    """Drafts the known continuation, including whatever comes after the EOS."""
-
-    name = "oracle"
-
-    def __init__(self, prompt_len, continuation):
-        self.prompt_len, self.continuation = prompt_len, continuation
-
-    def draft(self, history, max_tokens):
-        done = len(history) - self.prompt_len
-        return Draft(self.continuation[done : done + max_tokens]) if done < len(self.continuation) else None
-
-
 def test_eos_inside_an_accepted_draft_ends_generation(engine):
     prompt = list(range(100, 140))
     plain = engine.generate(prompt, SamplingParams(max_tokens=24), spec=NONE)
     assert EOS not in plain.tokens
     stop_token = plain.tokens[6]  # pretend the seventh greedy token ends the sequence
     first_eos = plain.tokens.index(stop_token)
-    steps, stats = run_with_chain(engine.session("eos"), Chain([Oracle(len(prompt), plain.tokens)]), prompt,
+    steps, stats = run_with_chain(engine.session("eos"), Chain([FixedContinuation(len(prompt), plain.tokens)]), prompt,
                                   24, 16, eos_ids=frozenset({stop_token}))
     emitted = [t for step in steps for t in step.tokens]
     assert emitted == plain.tokens[: first_eos + 1]

@@ -7,11 +7,11 @@ import torch
 
 from codespec.config import SamplingParams
 from codespec.decode import generate_steps
-from codespec.drafters import Chain, Draft, Drafter
+from codespec.drafters import Chain
 from codespec.drafters.none import NoDrafter
 from codespec.sampling import Sampler, verify_rejection, verify_sampled_exact, warp
 from codespec.stats import GenerationStats
-from tests.tiny import EOS
+from tests.tiny import EOS, FixedContinuation
 
 CHI2_CRITICAL = {4: 18.47, 8: 26.12}  # df -> critical value at p = 0.001
 
@@ -78,19 +78,6 @@ def test_rejection_sampling_accepts_everything_when_draft_equals_target():
     assert accepted == 500
 
 
-class Fixed(Drafter):
-    """Drafts a fixed continuation of the prompt (deterministic drafts)."""
-
-    name = "fixed"
-
-    def __init__(self, prompt_len, tokens):
-        self.prompt_len, self.tokens = prompt_len, tokens
-
-    def draft(self, history, max_tokens):
-        done = len(history) - self.prompt_len
-        return Draft(self.tokens[done : done + max_tokens]) if done < len(self.tokens) else None
-
-
 @pytest.mark.parametrize("drafter", ["none", "fixed"])
 def test_speculative_sampling_matches_the_models_distribution(model, drafter):
     """The joint distribution of the first two sampled tokens equals the exact one from the model."""
@@ -109,7 +96,7 @@ def test_speculative_sampling_matches_the_models_distribution(model, drafter):
 
     from codespec.session import Session
 
-    session = Session(model, Chain([NoDrafter() if drafter == "none" else Fixed(len(prompt), [greedy1, greedy2])]))
+    session = Session(model, Chain([NoDrafter() if drafter == "none" else FixedContinuation(len(prompt), [greedy1, greedy2])]))
     sampler = Sampler(params)
     counts = np.zeros(len(outcomes))
     drafted = accepted = 0
