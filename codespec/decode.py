@@ -71,7 +71,7 @@ def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_
     started = time.perf_counter()
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = session.prepare(prompt)
-    session.chain.begin(session.history)
+    session.chain.begin(session.history, sampler.params)
     while True:
         step = speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context, eos_ids)
         if stats.target_forwards == 0:

@@ -4,7 +4,8 @@ A drafter proposes tokens that the target model will probably produce next. It o
 speed: the decode loop verifies every draft token against the target.
 
 Lifecycle, per session:
-  begin(history)                  a generation starts; history ends with the new prompt
+  begin(history, params)          a generation starts; history ends with the new prompt; params are the
+                                  SamplingParams (a draft model samples its drafts at the same temperature)
   draft(history, max_tokens)      propose up to max_tokens tokens to follow history (or None)
   accept(history, drafted, accepted)
                                   tokens were appended to history; drafted/accepted describe this
@@ -23,6 +24,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from ..config import SamplingParams
+
 
 @dataclass
 class Draft:
@@ -35,7 +38,7 @@ class Draft:
 class Drafter:
     name: ClassVar[str] = "drafter"
 
-    def begin(self, history: np.ndarray) -> None:
+    def begin(self, history: np.ndarray, params: SamplingParams) -> None:
         pass
 
     def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from ..config import SamplingParams
 from ..stats import DrafterStats
 from .base import Draft, Drafter
 
@@ -21,10 +22,10 @@ class Chain:
     def names(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.drafters)
 
-    def begin(self, history: np.ndarray) -> None:
+    def begin(self, history: np.ndarray, params: SamplingParams) -> None:
         for drafter, stats in zip(self.drafters, self.stats):
             started = time.perf_counter()
-            drafter.begin(history)
+            drafter.begin(history, params)
             stats.begin_s += time.perf_counter() - started
 
     def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:

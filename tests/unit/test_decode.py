@@ -86,7 +86,7 @@ class Recorder(Drafter):
     def __init__(self):
         self.events = []
 
-    def begin(self, history):
+    def begin(self, history, params):
         self.events.append(("begin", len(history)))
 
     def draft(self, history, max_tokens):
