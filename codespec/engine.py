@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .decode import generate_steps
-from .drafters import build_chain
+from .drafters import SharedDrafting, build_chain
 from .errors import CodespecError
 from .sampling import Sampler
 from .session import Session
@@ -45,6 +45,7 @@ class Engine:
     spec: SpecConfig = field(default_factory=SpecConfig)
     eos_token_ids: frozenset[int] = frozenset()
     sessions: dict[str, Session] = field(default_factory=dict)
+    shared: SharedDrafting = field(default_factory=SharedDrafting)  # one ngram-mod pool for all sessions
 
     def __post_init__(self):
         self.spec.validate()
@@ -68,11 +69,12 @@ class Engine:
         spec = spec or self.spec
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is None:
-            session = Session(self.model, build_chain(spec), session_id)
+            session = Session(self.model, build_chain(spec, self.shared), session_id)
             if session_id is not None:
                 self.sessions[session_id] = session
-        elif session.chain.names != spec.spec:
-            session.use_chain(build_chain(spec))
+        elif session.spec != spec:
+            session.use_chain(build_chain(spec, self.shared))
+        session.spec = spec
         return session
 
     def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:

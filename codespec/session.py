@@ -18,6 +18,7 @@ class Session:
         self.id = session_id
         self.model = model
         self.chain = chain
+        self.spec = None  # the SpecConfig the chain was built from
         self.cache = DynamicCache(config=model.config)
         self._tokens = np.zeros(1024, dtype=np.int64)
         self.length = 0
@@ -72,7 +73,9 @@ class Session:
             self.cache.crop(-excess)  # transformers 5: a negative count removes that many tokens
 
     def use_chain(self, chain: Chain) -> None:
-        """Swap the drafters (a request asked for another spec); the new ones start from this history."""
+        """Swap the drafters (a request asked for another spec). The old ones are told the history is
+        gone, so shared structures forget what this session taught them; the new ones start from here."""
+        self.chain.truncate(0)
         self.chain = chain
 
     def reset(self) -> None:

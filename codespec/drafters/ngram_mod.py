@@ -1,0 +1,179 @@
+"""`ngram-mod`: one fixed-size hash pool of "last n tokens -> next token", shared by every session.
+
+As in llama.cpp's ngram-mod, the key is an LCG rolling hash of the last n tokens modulo the table
+size, the value the token that followed (last write wins), and a draft rolls the hash forward until
+it hits an empty slot. Memory is the two tables and nothing else, whatever the traffic.
+
+What llama.cpp lacks is forgetting: when a session's history is rewritten, the pool keeps serving
+continuations that no longer exist. Here each slot also counts its live contributions, and each
+session logs the (slot, token) pairs it wrote, by history position. `truncate(new_len)` undoes the
+session's own writes past new_len: a slot whose count drops to zero is emptied; a slot another
+session wrote since (a different token) is left alone, and so are slots other sessions also hold.
+
+Ageing: the pool resets (every slot emptied, every session's log voided by an epoch counter) when
+occupancy passes `reset_occupancy`, or after `reset_low_rounds` drafts in a row whose acceptance was
+below `reset_acceptance` — stale statistics cost verification time, and an empty pool costs nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Draft, Drafter
+
+MULTIPLIER = 6364136223846793005  # llama.cpp's LCG multiplier
+MASK64 = (1 << 64) - 1
+EMPTY = -1
+
+
+class NgramPool:
+    def __init__(self, size: int = 4 << 20, n: int = 24, reset_occupancy: float = 0.25,
+                 reset_low_rounds: int = 3, reset_acceptance: float = 0.5):
+        self.size, self.n = size, n
+        self.values = np.full(size, EMPTY, dtype=np.int32)  # next token per slot
+        self.counts = np.zeros(size, dtype=np.int32)  # live contributions of that token
+        self.occupied = 0
+        self.epoch = 0  # bumped by reset(): undo logs from an earlier epoch are void
+        self.resets = 0
+        self.reset_occupancy, self.reset_low_rounds, self.reset_acceptance = (
+            reset_occupancy, reset_low_rounds, reset_acceptance)
+        self.low_rounds = 0
+        # drop the top power once per roll: h(window shifted by one) = (h - first * A^(n-1)) * A + next
+        self.top_power = pow(MULTIPLIER, n - 1, 1 << 64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.counts.nbytes
+
+    @property
+    def occupancy(self) -> float:
+        return self.occupied / self.size
+
+    def window_hashes(self, tokens: np.ndarray) -> np.ndarray:
+        """Hash of every full n-token window of `tokens`: [len - n + 1] uint64."""
+        windows = len(tokens) - self.n + 1
+        hashes = np.zeros(max(windows, 0), dtype=np.uint64)
+        if windows <= 0:
+            return hashes
+        data = tokens.astype(np.uint64)
+        with np.errstate(over="ignore"):
+            for offset in range(self.n):
+                hashes = hashes * np.uint64(MULTIPLIER) + data[offset : offset + windows]
+        return hashes
+
+    def insert(self, tokens: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """Learn "window -> next token" for every position p >= max(start, n) of `tokens`.
+        Returns the (slots, values) written, one per position, for the caller's undo log."""
+        first = max(start, self.n)
+        if first >= len(tokens):
+            return np.empty(0, np.int64), np.empty(0, np.int32)
+        slots = (self.window_hashes(tokens[first - self.n : len(tokens) - 1]) % np.uint64(self.size)).astype(np.int64)
+        values = tokens[first:].astype(np.int32)
+        for slot, value in zip(slots.tolist(), values.tolist()):
+            current = self.values[slot]
+            if current == value:
+                self.counts[slot] += 1
+            else:
+                self.occupied += current == EMPTY
+                self.values[slot], self.counts[slot] = value, 1
+        if self.occupancy > self.reset_occupancy:
+            self.reset()
+        return slots, values
+
+    def forget(self, slots: np.ndarray, values: np.ndarray) -> None:
+        """Undo writes: only where the slot still holds the token that was written."""
+        for slot, value in zip(slots.tolist(), values.tolist()):
+            if self.values[slot] == value and self.counts[slot] > 0:
+                self.counts[slot] -= 1
+                if self.counts[slot] == 0:
+                    self.values[slot] = EMPTY
+                    self.occupied -= 1
+
+    def draft(self, tail: np.ndarray, max_tokens: int) -> list[int]:
+        """Follow the pool from the last n tokens until an empty slot or max_tokens."""
+        if len(tail) < self.n:
+            return []
+        window = [int(t) for t in tail[-self.n :]]
+        h = 0
+        for token in window:
+            h = (h * MULTIPLIER + token) & MASK64
+        drafted: list[int] = []
+        while len(drafted) < max_tokens:
+            value = int(self.values[h % self.size])
+            if value == EMPTY:
+                break
+            drafted.append(value)
+            h = ((h - window[len(drafted) - 1] * self.top_power) * MULTIPLIER + value) & MASK64
+            window.append(value)
+        return drafted
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Ageing by acceptance: several poor drafts in a row mean the pool has gone stale."""
+        if drafted == 0:
+            return
+        self.low_rounds = self.low_rounds + 1 if accepted / drafted < self.reset_acceptance else 0
+        if self.low_rounds >= self.reset_low_rounds:
+            self.reset()
+
+    def reset(self) -> None:
+        self.values.fill(EMPTY)
+        self.counts.fill(0)
+        self.occupied = 0
+        self.low_rounds = 0
+        self.epoch += 1
+        self.resets += 1
+
+
+class NgramMod(Drafter):
+    """One session's view of the shared pool: feeds it what the session sees, drafts from it, and
+    takes back its own contributions when the session's history is cut."""
+
+    name = "ngram-mod"
+
+    def __init__(self, pool: NgramPool):
+        self.pool = pool
+        self.epoch = pool.epoch
+        self.learned = 0  # history positions already fed to the pool
+        self.log_slots: list[np.ndarray] = []  # undo log, in history order, one array per insert
+        self.log_values: list[np.ndarray] = []
+        self.log_starts: list[int] = []  # history position of each array's first entry
+
+    def begin(self, history, params) -> None:
+        self._learn(history)
+
+    def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
+        tokens = self.pool.draft(history, max_tokens)
+        return Draft(tokens) if tokens else None
+
+    def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
+        self.pool.record_round(drafted, accepted)
+        self._learn(history)
+
+    def truncate(self, new_len: int) -> None:
+        self._sync_epoch()
+        while self.log_starts and self.log_starts[-1] + len(self.log_slots[-1]) > new_len:
+            start, slots, values = self.log_starts.pop(), self.log_slots.pop(), self.log_values.pop()
+            keep = max(new_len - start, 0)
+            self.pool.forget(slots[keep:], values[keep:])
+            if keep:
+                self.log_starts.append(start)
+                self.log_slots.append(slots[:keep])
+                self.log_values.append(values[:keep])
+                break
+        self.learned = min(self.learned, new_len)
+
+    def _learn(self, history: np.ndarray) -> None:
+        self._sync_epoch()
+        first = max(self.learned, self.pool.n)
+        epoch = self.pool.epoch
+        slots, values = self.pool.insert(history, self.learned)
+        if self.pool.epoch == epoch and len(slots):  # a reset during the insert voided what was written
+            self.log_starts.append(first)
+            self.log_slots.append(slots)
+            self.log_values.append(values)
+        self.learned = len(history)
+
+    def _sync_epoch(self) -> None:
+        if self.epoch != self.pool.epoch:  # the pool was reset: nothing of ours is left in it
+            self.epoch = self.pool.epoch
+            self.log_starts.clear(), self.log_slots.clear(), self.log_values.clear()
