@@ -40,10 +40,10 @@ def bounded_int(low: int, high: int):
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="smollm2 (default, embedded), a transformers directory, a .gguf file, or a hub id")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16")
+    parser.add_argument("--model", help=f"{DEFAULT_MODEL} (default, embedded), a transformers directory, "
+                                        "a .gguf file, or a hub id")
+    parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", help="auto (default: float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,26 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--system", help="system message for --chat")
     add_model_options(gen)
-    defaults, sampling = SpecConfig(), SamplingParams()
-    gen.add_argument("--spec", type=spec_list, default=defaults.spec,
-                     help=f"comma-separated drafter chain from: {', '.join(SPEC_CHOICES)} (default %(default)s)")
-    gen.add_argument("--draft-max", type=bounded_int(1, DRAFT_MAX_LIMIT), default=defaults.draft_max)
-    gen.add_argument("--draft-min", type=bounded_int(1, DRAFT_MAX_LIMIT), default=defaults.draft_min)
-    gen.add_argument("--ngram-min", type=bounded_int(1, 64), default=defaults.ngram_min)
-    gen.add_argument("--ngram-max", type=bounded_int(1, 64), default=defaults.ngram_max)
-    gen.add_argument("--max-tokens", type=bounded_int(1, 1 << 20), default=sampling.max_tokens)
-    gen.add_argument("--temperature", type=float, default=sampling.temperature)
-    gen.add_argument("--top-k", type=int, default=sampling.top_k)
-    gen.add_argument("--top-p", type=float, default=sampling.top_p)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    sampling = SamplingParams()
+    gen.add_argument("--spec", type=spec_list, default=None,
+                     help=f"comma-separated drafter chain from: {', '.join(SPEC_CHOICES)} "
+                          f"(default {','.join(SpecConfig().spec)})")
+    add_spec_options(gen)
+    gen.add_argument("--config", help="TOML file with [model], [spec] and [sampling] tables (flags override it)")
+    gen.add_argument("--max-tokens", type=bounded_int(1, 1 << 20), help=f"(default {sampling.max_tokens})")
+    gen.add_argument("--temperature", type=float, help="(default 0: greedy)")
+    gen.add_argument("--top-k", type=int, help="(default 0: off)")
+    gen.add_argument("--top-p", type=float, help="(default 1.0: off)")
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
     bench = commands.add_parser("bench", help="measure speculation against plain decoding and transformers")
     add_model_options(bench)
     bench.add_argument("--workloads", type=bounded_int(1, 3), default=1, help="edit workloads to run (1-3)")
     bench.add_argument("--repeats", type=bounded_int(1, 50), default=3, help="runs per configuration (median)")
     bench.add_argument("--max-tokens", type=bounded_int(1, 4096), default=256)
-    bench.add_argument("--draft-max", type=bounded_int(1, DRAFT_MAX_LIMIT), default=defaults.draft_max)
+    bench.add_argument("--draft-max", type=bounded_int(1, DRAFT_MAX_LIMIT), default=SpecConfig().draft_max)
     bench.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
     return parser
 
@@ -90,7 +89,8 @@ def run_bench(args) -> int:
     from .bench.workloads import edit_workloads
     from .engine import Engine
 
-    engine = Engine.load(ModelConfig(model=args.model, device=args.device, dtype=args.dtype))
+    engine = Engine.load(ModelConfig(model=args.model or DEFAULT_MODEL, device=args.device or "auto",
+                                     dtype=args.dtype or "auto"))
     workloads = edit_workloads(args.workloads)
     configs = default_configs(args.draft_max)
     with tqdm(total=len(workloads) * len(configs) * args.repeats, desc="bench", unit="run") as progress:
@@ -101,6 +101,51 @@ def run_bench(args) -> int:
         with open(args.json_path, "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
     return 0
+
+
+def add_spec_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per SpecConfig field (defaults and their reasons live in codespec/config.py).
+    Flags default to None so that a config file's value stands unless the flag is given."""
+    from dataclasses import fields
+
+    defaults = SpecConfig()
+    for field in fields(SpecConfig):
+        if field.name == "spec":
+            continue
+        default = getattr(defaults, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if field.name in ("draft_max", "draft_min"):
+            kind = bounded_int(1, DRAFT_MAX_LIMIT)
+        else:
+            kind = type(default) if default is not None else str
+        parser.add_argument(flag, type=kind, default=None, help=f"(default {default})")
+
+
+def settings_from_args(args) -> tuple[ModelConfig, SpecConfig, SamplingParams]:
+    """Defaults (codespec/config.py), then the --config file, then the flags given."""
+    from dataclasses import fields
+
+    from .config import load_toml
+
+    try:
+        loaded = load_toml(args.config) if getattr(args, "config", None) else {}
+    except ValueError as exc:
+        raise CodespecError(str(exc)) from None
+    built = []
+    for name, cls in (("model", ModelConfig), ("spec", SpecConfig), ("sampling", SamplingParams)):
+        values = dict(loaded.get(name, {}))
+        for field in fields(cls):
+            given = getattr(args, field.name, None)
+            if given is not None:
+                values[field.name] = tuple(given) if isinstance(given, list) else given
+        try:
+            settings = cls(**values)
+            if hasattr(settings, "validate"):
+                settings.validate()
+        except ValueError as exc:
+            raise CodespecError(str(exc)) from None
+        built.append(settings)
+    return tuple(built)
 
 
 def read_prompt(args) -> str:
@@ -127,17 +172,8 @@ def run_generate(args) -> int:
     from .engine import Engine
 
     prompt = read_prompt(args)
-    spec = SpecConfig(spec=args.spec, draft_max=args.draft_max, draft_min=args.draft_min,
-                      ngram_min=args.ngram_min, ngram_max=args.ngram_max)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-    for check in (spec.validate, params.validate):
-        try:
-            check()
-        except ValueError as exc:
-            raise CodespecError(str(exc)) from None
-    engine = Engine.load(ModelConfig(model=args.model, device=args.device, dtype=args.dtype), spec,
-                         show_progress=sys.stderr.isatty())
+    model_config, spec, params = settings_from_args(args)
+    engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
     prompt_ids = engine.encode(prompt, chat=args.chat, system=args.system)
     result = None
     for chunk in engine.stream(prompt_ids, params):

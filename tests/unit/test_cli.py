@@ -102,3 +102,24 @@ def test_hub_id_fails_cleanly_when_unreachable(tiny_dir):
     done = cli_process("generate", "--model", "codespec-tests/no-such-model", "x")
     assert done.returncode == 1
     assert done.stderr.strip().startswith("codespec: error:") and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_config_file_then_flags(tmp_path):
+    from argparse import Namespace
+
+    from codespec.cli import build_parser, settings_from_args
+    from codespec.errors import CodespecError
+
+    config = tmp_path / "codespec.toml"
+    config.write_text('[spec]\nspec = ["prompt-lookup", "ngram-mod"]\ndraft-max = 8\nmod_n = 12\n'
+                      '[sampling]\nmax_tokens = 5\ntemperature = 0.5\n[model]\ndtype = "float32"\n')
+    args = build_parser().parse_args(["generate", "--config", str(config), "--mod-n", "6", "x"])
+    model, spec, params = settings_from_args(args)
+    assert spec.spec == ("prompt-lookup", "ngram-mod") and spec.draft_max == 8 and spec.mod_n == 6
+    assert params.max_tokens == 5 and params.temperature == 0.5 and model.dtype == "float32"
+    for bad, message in (('[spec]\ndraft-max = "x"\n', "wrong type"), ("[spec]\nwarp = 1\n", "unknown key"),
+                         ("[turbo]\n", "unknown table"), ("[spec\n", "not valid TOML"),
+                         ('[spec]\nspec = ["medusa"]\n', "unknown spec")):
+        config.write_text(bad)
+        with pytest.raises(CodespecError, match=message):
+            settings_from_args(Namespace(config=str(config)))
