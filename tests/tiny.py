@@ -16,23 +16,23 @@ VOCAB = 384
 EOS = 0  # "<eos>" is the first special token the trainer adds
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator([inspect.getsource(textwrap)], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
 
 
-def tiny_model(seed: int = 0, context: int = 512, dtype=torch.float64) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, context: int = 512, dtype=torch.float64, vocab: int = VOCAB) -> LlamaForCausalLM:
     """float64 so that batched verification and one-token decoding round identically: a random
     model's logits have near-ties that float32 noise could flip, which would test numerics, not logic.
     Embeddings three times larger than the rest make the next token depend mostly on the current one, so
     greedy decoding walks a random function over tokens and falls into cycles with detours: prompt-lookup
     drafts are then both accepted and rejected (about 30% accepted on repetitive prompts)."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                          initializer_range=0.1, eos_token_id=EOS, bos_token_id=None, pad_token_id=EOS,
                          tie_word_embeddings=False)
@@ -43,10 +43,10 @@ def tiny_model(seed: int = 0, context: int = 512, dtype=torch.float64) -> LlamaF
     return model.to(dtype).eval()
 
 
-def save_tiny(directory: Path, context: int = 512) -> Path:
+def save_tiny(directory: Path, context: int = 512, vocab: int = VOCAB) -> Path:
     """A transformers directory, as `--model DIR` expects."""
-    tiny_model(context=context, dtype=torch.float32).save_pretrained(directory)
-    tiny_tokenizer().save_pretrained(directory)
+    tiny_model(context=context, dtype=torch.float32, vocab=vocab).save_pretrained(directory)
+    tiny_tokenizer(vocab).save_pretrained(directory)
     return directory
 
 

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-from ..config import DRAFTLESS_FIRST, SpecConfig
+from ..config import DRAFTLESS_FIRST, ModelConfig, SpecConfig
+from ..errors import CodespecError
 from .base import Draft, Drafter
 from .chain import Chain
+from .draft_model import DraftModel, check_compatible, truncated_copy
+from .ngram_cache import NgramCache, StaticCache, load_static_cache
+from .ngram_map import NgramMap, NgramMapK4V
 from .ngram_mod import NgramMod, NgramPool
 from .none import NoDrafter
 from .prompt_lookup import PromptLookup
 
 
 class SharedDrafting:
-    """What every session of one engine shares: the ngram-mod pool (one per pool setting, so a
-    request that asks for another n or size gets its own), the static n-gram cache, the draft model."""
+    """What every session of one engine shares, each built once on first use: the ngram-mod pool (one
+    per pool setting, so a request that asks for another n or size gets its own), static n-gram caches,
+    and draft models."""
 
-    def __init__(self):
+    def __init__(self, target=None, tokenizer=None):
+        self.target, self.tokenizer = target, tokenizer
         self.pools: dict[tuple, NgramPool] = {}
+        self.static_caches: dict[str, StaticCache] = {}
+        self.draft_models: dict[tuple, object] = {}
 
     def pool(self, spec: SpecConfig) -> NgramPool:
         key = (spec.mod_pool_size, spec.mod_n, spec.mod_reset_occupancy, spec.mod_reset_low_rounds,
@@ -25,6 +33,33 @@ class SharedDrafting:
                                         spec.mod_reset_low_rounds, spec.mod_reset_acceptance)
         return self.pools[key]
 
+    def static_cache(self, path: str | None) -> StaticCache | None:
+        if path is None:
+            return None
+        if path not in self.static_caches:
+            try:
+                self.static_caches[path] = load_static_cache(path)
+            except (OSError, ValueError) as exc:
+                raise CodespecError(f"cannot load n-gram cache: {exc}") from None
+        return self.static_caches[path]
+
+    def draft_model(self, spec: SpecConfig):
+        key = (spec.draft_model, spec.draft_layers)
+        if key not in self.draft_models:
+            if self.target is None:
+                raise CodespecError("a draft model needs the engine's target model")
+            if spec.draft_layers:
+                self.draft_models[key] = truncated_copy(self.target, spec.draft_layers)
+            else:
+                from ..models import load
+
+                dtype = str(self.target.dtype).removeprefix("torch.")
+                model, tokenizer = load(ModelConfig(model=spec.draft_model, device=str(self.target.device),
+                                                    dtype=dtype), show_progress=False)
+                check_compatible(self.tokenizer, tokenizer)
+                self.draft_models[key] = model
+        return self.draft_models[key]
+
 
 def build_drafter(name: str, spec: SpecConfig, shared: SharedDrafting) -> Drafter:
     if name == "none":
@@ -33,6 +68,15 @@ def build_drafter(name: str, spec: SpecConfig, shared: SharedDrafting) -> Drafte
         return PromptLookup(spec.ngram_min, spec.ngram_max)
     if name == "ngram-mod":
         return NgramMod(shared.pool(spec))
+    if name == "ngram-map-k":
+        return NgramMap(spec.map_n, spec.map_m, spec.map_min_hits)
+    if name == "ngram-map-k4v":
+        return NgramMapK4V(spec.map_n, spec.map_m, spec.map_min_hits)
+    if name == "ngram-cache":
+        return NgramCache(static=shared.static_cache(spec.ngram_cache), n_max=spec.cache_n_max)
+    if name == "draft":
+        target_vocab = shared.target.config.vocab_size if shared.target is not None else None
+        return DraftModel(shared.draft_model(spec), spec.draft_p_min, target_vocab_size=target_vocab)
     raise ValueError(f"unknown drafter {name!r}")
 
 

@@ -123,3 +123,36 @@ def test_config_file_then_flags(tmp_path):
         config.write_text(bad)
         with pytest.raises(CodespecError, match=message):
             settings_from_args(Namespace(config=str(config)))
+
+
+def test_ngram_cache_build_then_generate_with_it(capsys, tiny_dir, tmp_path):
+    import inspect
+    import textwrap
+
+    source = tmp_path / "corpus.py"
+    source.write_text(inspect.getsource(textwrap))
+    cache = tmp_path / "corpus.npz"
+    code, _, err = run_cli(capsys, "ngram-cache", "build", str(source), "-o", str(cache), "--model", str(tiny_dir))
+    assert code == 0 and cache.is_file() and "n-grams" in err
+    args = ["generate", "--model", str(tiny_dir), "--json", "--max-tokens", "12", "def wrap(text, width=70):\n"]
+    code, plain, _ = run_cli(capsys, *args, "--spec", "none")
+    code2, cached, _ = run_cli(capsys, *args, "--spec", "ngram-cache", "--ngram-cache", str(cache))
+    assert code == code2 == 0
+    assert json.loads(plain)["tokens"] == json.loads(cached)["tokens"]
+    assert json.loads(cached)["stats"]["drafters"][0]["name"] == "ngram-cache"
+    code, _, err = run_cli(capsys, *args, "--spec", "ngram-cache", "--ngram-cache", str(source))
+    assert code == 1 and "not a codespec n-gram cache" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, "ngram-cache", "build", str(tmp_path / "missing.py"), "-o", str(cache),
+                           "--model", str(tiny_dir))
+    assert code == 1 and "cannot read" in err
+
+
+def test_draft_model_with_another_vocabulary_is_refused(capsys, tiny_dir, tmp_path):
+    from tests.tiny import save_tiny
+
+    other = save_tiny(tmp_path / "other", vocab=320)
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_dir), "--spec", "draft", "--draft-model",
+                           str(other), "x")
+    assert code == 1 and "vocabulary differs" in err
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_dir), "--spec", "draft", "x")
+    assert code == 1 and "--draft-model" in err

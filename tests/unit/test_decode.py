@@ -11,19 +11,11 @@ from codespec.errors import CodespecError
 from codespec.sampling import Sampler
 from codespec.stats import GenerationStats
 from tests.conftest import random_prompt
+from tests.helpers import run_with_chain
 from tests.tiny import EOS, FixedContinuation
 
 NONE = SpecConfig(spec=("none",))
 LOOKUP = SpecConfig(spec=("prompt-lookup",), draft_max=16, ngram_min=1, ngram_max=3)
-
-
-def run_with_chain(session, chain, prompt, max_tokens, draft_max, eos_ids=frozenset({EOS})):
-    """Drive a session step by step with a hand-made drafter chain; returns (steps, stats)."""
-    session.use_chain(chain)
-    stats = GenerationStats()
-    steps = list(generate_steps(session, prompt, Sampler(SamplingParams()), draft_max, max_tokens,
-                                session.model.config.max_position_embeddings, eos_ids, stats))
-    return steps, stats
 
 
 def hf_greedy(model, prompt, max_new_tokens, **options):

@@ -1,0 +1,36 @@
+"""Every drafter by name, and chains of them, through the registry: greedy output never changes."""
+
+import numpy as np
+import pytest
+
+from codespec.config import SPEC_CHOICES, SamplingParams, SpecConfig
+from codespec.drafters import build_chain
+from tests.conftest import random_prompt
+
+SMALL = dict(mod_n=3, mod_pool_size=1 << 16, draft_layers=1)
+CHAINS = [(name,) for name in SPEC_CHOICES] + [
+    ("prompt-lookup", "ngram-mod", "draft"),
+    ("ngram-mod", "ngram-map-k4v", "ngram-cache"),
+    ("draft", "prompt-lookup"),
+]
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=",".join)
+def test_greedy_identity_for_every_drafter_and_chain(engine, chain):
+    spec = SpecConfig(spec=chain, **SMALL)
+    accepted = 0
+    for seed in range(8):
+        rng = np.random.default_rng(200 + seed)
+        prompt = random_prompt(rng, int(rng.integers(10, 100)), repetitive=seed % 4 != 0)
+        params = SamplingParams(max_tokens=40)
+        plain = engine.generate(prompt, params, spec=SpecConfig(spec=("none",)))
+        result = engine.generate(prompt, params, spec=spec, session_id="chain")
+        assert result.tokens == plain.tokens, f"seed {seed}"
+        accepted += result.stats.accepted_tokens
+        assert [d.name for d in result.stats.drafters] == list(build_chain(spec, engine.shared).names)
+    assert accepted > 0 or chain == ("none",)
+
+
+def test_model_drafters_go_last(engine):
+    assert build_chain(SpecConfig(spec=("draft", "prompt-lookup", "ngram-mod"), **SMALL), engine.shared).names == (
+        "prompt-lookup", "ngram-mod", "draft")
