@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=bounded_int(1, 50), default=3, help="runs per configuration (median)")
     bench.add_argument("--max-tokens", type=bounded_int(1, 4096), default=256)
     bench.add_argument("--draft-max", type=bounded_int(1, DRAFT_MAX_LIMIT), default=SpecConfig().draft_max)
+    bench.add_argument("--two-session", action="store_true",
+                       help="session A rewrites a file, then session B rewrites it: the shared pool at work")
     bench.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
     return parser
 
@@ -99,6 +101,16 @@ def run_bench(args) -> int:
 
     engine = Engine.load(ModelConfig(model=args.model or DEFAULT_MODEL, device=args.device or "auto",
                                      dtype=args.dtype or "auto"))
+    if args.two_session:
+        from .bench.two_session import CONFIGS, format_rows, run_two_session
+
+        with tqdm(total=2 * len(CONFIGS), desc="two-session", unit="run") as progress:
+            rows = run_two_session(engine, args.max_tokens, progress=progress)
+        print(format_rows(rows))
+        if args.json_path:
+            with open(args.json_path, "w", encoding="utf-8") as handle:
+                json.dump({"two_session": rows, "max_tokens": args.max_tokens}, handle, indent=2)
+        return 0
     workloads = edit_workloads(args.workloads)
     configs = default_configs(args.draft_max)
     with tqdm(total=len(workloads) * len(configs) * args.repeats, desc="bench", unit="run") as progress:

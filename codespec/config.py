@@ -43,7 +43,7 @@ class SamplingParams:
 
 @dataclass
 class SpecConfig:
-    spec: tuple[str, ...] = ("prompt-lookup",)  # drafter chain; the first non-empty draft wins
+    spec: tuple[str, ...] = ("ngram-mod", "prompt-lookup")  # first non-empty draft wins: shared pool, then prompt
     draft_max: int = 16  # verifying up to ~8-16 tokens costs about one forward on a CPU
     draft_min: int = 1  # shorter drafts are dropped
     ngram_min: int = 2  # prompt-lookup: shortest trailing n-gram to look up (1 drafts too much junk)

@@ -88,7 +88,7 @@ def test_cli_generate_json_on_the_default_model(default_engine):
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["text"].strip() and data["stats"]["generated_tokens"] == len(data["tokens"]) <= 24
-    assert data["stats"]["drafters"][0]["name"] == "prompt-lookup"
+    assert [d["name"] for d in data["stats"]["drafters"]] == ["ngram-mod", "prompt-lookup"]  # the default chain
 
 
 def test_local_gguf_is_converted_once_and_loads(tmp_path, monkeypatch, default_engine):
@@ -106,3 +106,24 @@ def test_local_gguf_is_converted_once_and_loads(tmp_path, monkeypatch, default_e
     prompt = engine.encode("def add(a, b):\n")
     params = SamplingParams(max_tokens=16)
     assert engine.generate(prompt, params).tokens == default_engine.generate(prompt, params).tokens
+
+
+def test_shared_pool_across_sessions_on_the_default_model(default_engine):
+    """Session A rewrites a function, then session B asks the same: B drafts from what A wrote, the
+    output stays plain greedy's, and a chain with a derived draft model is lossless too."""
+    engine = default_engine
+    prompt = engine.encode(edit_prompt(), chat=True)
+    params = SamplingParams(max_tokens=64)
+    plain = engine.generate(prompt, params, spec=NONE)
+    mod = SpecConfig(spec=("ngram-mod",), mod_n=8)
+    engine.shared.pools.clear()
+    cold = engine.generate(prompt, params, session_id="B-cold", spec=mod)
+    engine.shared.pools.clear()
+    engine.generate(prompt, params, session_id="A", spec=mod)
+    warm = engine.generate(prompt, params, session_id="B", spec=mod)
+    assert cold.tokens == warm.tokens == plain.tokens
+    assert warm.stats.accepted_tokens > cold.stats.accepted_tokens + 30
+    chain = SpecConfig(spec=("prompt-lookup", "ngram-mod", "draft"), draft_layers=6)
+    result = engine.generate(prompt, params, session_id="C", spec=chain)
+    assert result.tokens == plain.tokens
+    assert [d.name for d in result.stats.drafters] == ["prompt-lookup", "ngram-mod", "draft"]
