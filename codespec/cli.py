@@ -82,44 +82,66 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure speculation against plain decoding and transformers")
     add_model_options(bench)
-    bench.add_argument("--workloads", type=bounded_int(1, 3), default=1, help="edit workloads to run (1-3)")
+    bench.add_argument("--quick", action="store_true",
+                       help="one workload per class, 3 turns, 48 tokens, 4 configurations, once (< 3 min on 2 cores)")
+    bench.add_argument("--per-class", type=bounded_int(1, 5), default=2, help="workloads per class")
+    bench.add_argument("--classes", default="edit,completion,multi-turn,free-form",
+                       help="comma-separated workload classes to run")
+    bench.add_argument("--configs", help="comma-separated configurations to run (default: all; plain and "
+                                         "'transformers prompt lookup' always run, as the baselines)")
     bench.add_argument("--repeats", type=bounded_int(1, 50), default=3, help="runs per configuration (median)")
-    bench.add_argument("--max-tokens", type=bounded_int(1, 4096), default=256)
+    bench.add_argument("--max-tokens", type=bounded_int(1, 4096), default=256, help="new tokens per turn")
     bench.add_argument("--draft-max", type=bounded_int(1, DRAFT_MAX_LIMIT), default=SpecConfig().draft_max)
     bench.add_argument("--two-session", action="store_true",
                        help="session A rewrites a file, then session B rewrites it: the shared pool at work")
-    bench.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    bench.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     return parser
 
 
 def run_bench(args) -> int:
+    from pathlib import Path
+
     from tqdm.auto import tqdm
 
-    from .bench.runner import default_configs, format_table, report, run_bench as bench
-    from .bench.workloads import edit_workloads
+    from .bench import runner
+    from .bench.workloads import all_workloads
     from .engine import Engine
 
+    quick = args.quick
+    repeats, max_tokens, turns = (1, 48, 3) if quick else (args.repeats, args.max_tokens, 5)
+    classes = {name.strip() for name in args.classes.split(",") if name.strip()}
+    workloads = [w for w in all_workloads(1 if quick else args.per_class) if w.kind in classes]
+    configs = runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max))
+    if args.configs:
+        wanted = {name.strip() for name in args.configs.split(",")} | {runner.PLAIN, runner.HF_LOOKUP}
+        unknown = wanted - {c.name for c in configs}
+        if unknown:
+            raise CodespecError(f"unknown bench config {', '.join(sorted(unknown))}; "
+                                f"choose from {', '.join(c.name for c in configs)}")
+        configs = [c for c in configs if c.name in wanted]
+    if not workloads:
+        raise CodespecError(f"no workload in classes {args.classes!r}; use edit, completion, multi-turn, free-form")
     engine = Engine.load(ModelConfig(model=args.model or DEFAULT_MODEL, device=args.device or "auto",
                                      dtype=args.dtype or "auto"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if args.two_session:
         from .bench.two_session import CONFIGS, format_rows, run_two_session
 
         with tqdm(total=2 * len(CONFIGS), desc="two-session", unit="run") as progress:
             rows = run_two_session(engine, args.max_tokens, progress=progress)
         print(format_rows(rows))
-        if args.json_path:
-            with open(args.json_path, "w", encoding="utf-8") as handle:
-                json.dump({"two_session": rows, "max_tokens": args.max_tokens}, handle, indent=2)
+        (out / "two-session.json").write_text(json.dumps({"two_session": rows, "max_tokens": args.max_tokens},
+                                                         indent=2))
         return 0
-    workloads = edit_workloads(args.workloads)
-    configs = default_configs(args.draft_max)
-    with tqdm(total=len(workloads) * len(configs) * args.repeats, desc="bench", unit="run") as progress:
-        rows = bench(engine, workloads, configs, args.repeats, args.max_tokens, progress)
-    summary = report(rows, args.max_tokens, str(engine.model.device), str(engine.model.dtype))
-    print(format_table(summary))
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as handle:
-            json.dump(summary, handle, indent=2)
+    with tqdm(total=len(workloads) * len(configs) * repeats, desc="bench", unit="run") as progress:
+        rows = runner.run_bench(engine, workloads, configs, repeats, max_tokens, turns, progress)
+    data = runner.report(rows, {"device": engine.model.device, "dtype": str(engine.model.dtype).removeprefix("torch."),
+                                "max_tokens": max_tokens, "repeats": repeats, "turns": turns, "quick": quick})
+    print(runner.format_table(data))
+    (out / "bench.json").write_text(json.dumps(data, indent=2))
+    runner.plot(data, str(out / "bench.png"))
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}", file=sys.stderr)
     return 0
 
 

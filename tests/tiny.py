@@ -23,7 +23,10 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator([inspect.getsource(textwrap)], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    return tokenizer
 
 
 def tiny_model(seed: int = 0, context: int = 512, dtype=torch.float64, vocab: int = VOCAB) -> LlamaForCausalLM:

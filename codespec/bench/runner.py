@@ -1,4 +1,4 @@
-"""Run every configuration on every workload, interleaved in one process, and report medians."""
+"""Run every configuration on every workload, interleaved in one process, and report medians as ratios."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ from ..config import SamplingParams, SpecConfig
 from ..engine import Engine
 from .workloads import Workload
 
+PLAIN = "plain"
+HF_PLAIN = "transformers generate"
+HF_LOOKUP = "transformers prompt lookup"
+DEFAULT_CHAIN = "codespec default"
+
+
+@dataclass
+class Config:
+    name: str
+    spec: SpecConfig | None = None  # a codespec configuration
+    hf_options: dict | None = None  # or transformers' own generate with these options
+
 
 @dataclass
 class Run:
@@ -25,7 +37,7 @@ class Run:
 
 @dataclass
 class Row:
-    workload: str
+    workload: Workload
     config: str
     runs: list[Run] = field(default_factory=list)
 
@@ -33,90 +45,133 @@ class Row:
     def seconds(self) -> float:
         return statistics.median(run.seconds for run in self.runs)
 
-    @property
-    def tokens(self) -> int:
-        return len(self.runs[0].tokens)
+
+def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig) -> list[Config]:
+    def spec(*names):
+        return SpecConfig(spec=names, draft_max=draft_max)
+
+    configs = [Config(PLAIN, spec("none")), Config(HF_LOOKUP, hf_options={"prompt_lookup_num_tokens": 10}),
+               Config(DEFAULT_CHAIN, default_spec), Config("prompt-lookup", spec("prompt-lookup"))]
+    if not quick:
+        configs += [Config(HF_PLAIN, hf_options={})] + [
+            Config(name, spec(name)) for name in ("ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")]
+    return configs
 
 
-def codespec_config(spec: SpecConfig):
-    def run(engine: Engine, prompt: list[int], max_tokens: int) -> Run:
-        result = engine.generate(prompt, SamplingParams(max_tokens=max_tokens), spec=spec)
-        stats = result.stats
-        return Run(stats.seconds, result.tokens, stats.target_forwards, stats.drafted_tokens, stats.accepted_tokens)
-    return run
+def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens: int, turns: int) -> Run:
+    """All turns of a workload in one fresh session (and a fresh pool), as one user would see them."""
+    engine.shared.pools.clear()
+    session_id = f"bench-{time.monotonic_ns()}"
+    messages: list[dict] = []
+    total = Run(0.0, [], 0, 0, 0) if config.spec else Run(0.0, [])
+    params = SamplingParams(max_tokens=max_tokens)
+    for turn in workload.turns[:turns]:
+        if workload.chat:
+            messages.append({"role": "user", "content": turn})
+            prompt = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        else:
+            prompt = engine.encode(turn)
+        if config.spec is not None:
+            result = engine.generate(prompt, params, session_id=session_id, spec=config.spec)
+            tokens, stats = result.tokens, result.stats
+            total.seconds += stats.seconds
+            total.forwards += stats.target_forwards
+            total.drafted += stats.drafted_tokens
+            total.accepted += stats.accepted_tokens
+        else:
+            inputs = torch.tensor([prompt], device=engine.model.device)
+            started = time.perf_counter()
+            out = engine.model.generate(inputs, max_new_tokens=max_tokens, do_sample=False,
+                                        eos_token_id=sorted(engine.eos_token_ids),
+                                        pad_token_id=min(engine.eos_token_ids), **config.hf_options)
+            total.seconds += time.perf_counter() - started
+            tokens = out[0, len(prompt):].tolist()
+        total.tokens += tokens
+        messages.append({"role": "assistant", "content": engine.tokenizer.decode(tokens, skip_special_tokens=True)})
+    return total
 
 
-def transformers_config(**options):
-    """transformers' own generate on the same model object: the baseline users already have."""
-    def run(engine: Engine, prompt: list[int], max_tokens: int) -> Run:
-        inputs = torch.tensor([prompt], device=engine.model.device)
-        started = time.perf_counter()
-        out = engine.model.generate(inputs, max_new_tokens=max_tokens, do_sample=False,
-                                    pad_token_id=engine.tokenizer.eos_token_id, **options)
-        return Run(time.perf_counter() - started, out[0, len(prompt):].tolist())
-    return run
-
-
-def default_configs(draft_max: int) -> dict:
-    return {
-        "plain (codespec none)": codespec_config(SpecConfig(spec=("none",))),
-        "codespec prompt-lookup": codespec_config(SpecConfig(spec=("prompt-lookup",), draft_max=draft_max)),
-        "transformers generate": transformers_config(),
-        "transformers prompt_lookup_num_tokens=10": transformers_config(prompt_lookup_num_tokens=10),
-    }
-
-
-def run_bench(engine: Engine, workloads: list[Workload], configs: dict, repeats: int, max_tokens: int,
-              progress=None) -> list[Row]:
-    rows = {(w.name, name): Row(w.name, name) for w in workloads for name in configs}
+def run_bench(engine: Engine, workloads: list[Workload], configs: list[Config], repeats: int, max_tokens: int,
+              turns: int = 5, progress=None) -> list[Row]:
+    rows = {(w.name, c.name): Row(w, c.name) for w in workloads for c in configs}
     for workload in workloads:
-        prompt = engine.encode(workload.prompt, chat=workload.chat)
         for _ in range(repeats):  # interleaved, so drift in machine speed hits every config alike
-            for name, run in configs.items():
-                rows[(workload.name, name)].runs.append(run(engine, prompt, max_tokens))
+            for config in configs:
+                rows[(workload.name, config.name)].runs.append(run_workload(engine, workload, config, max_tokens, turns))
                 if progress is not None:
                     progress.update()
     return list(rows.values())
 
 
-def report(rows: list[Row], max_tokens: int, device: str, dtype: str) -> dict:
-    """Ratios against plain greedy (codespec none) and against transformers' prompt lookup."""
+def report(rows: list[Row], settings: dict) -> dict:
+    """Ratios against plain greedy and against transformers' prompt lookup, per workload and per class."""
     by_workload: dict[str, dict[str, Row]] = {}
     for row in rows:
-        by_workload.setdefault(row.workload, {})[row.config] = row
+        by_workload.setdefault(row.workload.name, {})[row.config] = row
     results = []
     for workload, configs in by_workload.items():
-        plain = configs["plain (codespec none)"]
-        hf_plain = configs["transformers generate"]
-        hf_lookup = configs["transformers prompt_lookup_num_tokens=10"]
+        plain, hf_lookup = configs[PLAIN], configs[HF_LOOKUP]
         reference = plain.runs[0].tokens
         for name, row in configs.items():
             first = row.runs[0]
             results.append({
                 "workload": workload,
+                "kind": row.workload.kind,
                 "config": name,
-                "tokens": row.tokens,
+                "tokens": len(first.tokens),
                 "seconds_median": round(row.seconds, 4),
-                "tokens_per_second": round(row.tokens / row.seconds, 2),
-                "tokens_per_forward": round(row.tokens / first.forwards, 3) if first.forwards else None,
+                "tokens_per_second": round(len(first.tokens) / row.seconds, 2),
+                "tokens_per_forward": round(len(first.tokens) / first.forwards, 3) if first.forwards else None,
                 "acceptance": round(first.accepted / first.drafted, 3) if first.drafted else None,
                 "speedup_vs_plain": round(plain.seconds / row.seconds, 3),
-                "speedup_vs_transformers_plain": round(hf_plain.seconds / row.seconds, 3),
                 "speedup_vs_transformers_prompt_lookup": round(hf_lookup.seconds / row.seconds, 3),
                 "identical_to_plain": all(run.tokens == reference for run in row.runs),
                 "repeats": len(row.runs),
             })
-    return {"max_tokens": max_tokens, "device": device, "dtype": dtype, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "machine": platform.machine(), "results": results}
+    classes: dict[tuple[str, str], list[float]] = {}
+    for r in results:
+        classes.setdefault((r["kind"], r["config"]), []).append(r["speedup_vs_plain"])
+    summary = [{"kind": kind, "config": config, "median_speedup_vs_plain": round(statistics.median(values), 3)}
+               for (kind, config), values in classes.items()]
+    machine = {"device": str(settings.pop("device")), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "machine": platform.machine()}
+    return {**settings, **machine, "results": results, "by_class": summary}
 
 
-def format_table(summary: dict) -> str:
-    header = f"{'workload':28} {'config':42} {'tok/s':>7} {'tok/fwd':>7} {'accept':>6} {'vs plain':>8} {'vs hf-pld':>9} same"
+def format_table(data: dict) -> str:
+    header = (f"{'workload':26} {'config':27} {'tok/s':>7} {'tok/fwd':>7} {'accept':>6} {'vs plain':>8} "
+              f"{'vs hf-pld':>9} same")
     lines = [header, "-" * len(header)]
-    for r in summary["results"]:
+    for r in data["results"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "-"
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-        lines.append(f"{r['workload']:28} {r['config']:42} {r['tokens_per_second']:7.1f} {tpf:>7} {acc:>6} "
+        lines.append(f"{r['workload']:26} {r['config']:27} {r['tokens_per_second']:7.1f} {tpf:>7} {acc:>6} "
                      f"{r['speedup_vs_plain']:7.2f}x {r['speedup_vs_transformers_prompt_lookup']:8.2f}x "
                      f"{'yes' if r['identical_to_plain'] else 'NO'}")
     return "\n".join(lines)
+
+
+def plot(data: dict, path: str) -> None:
+    """Grouped bars: speedup over plain greedy, per workload and configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in data["results"]))
+    configs = [c for c in dict.fromkeys(r["config"] for r in data["results"]) if c != PLAIN]
+    speedup = {(r["workload"], r["config"]): r["speedup_vs_plain"] for r in data["results"]}
+    width = 0.8 / len(configs)
+    figure, axes = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+    for index, config in enumerate(configs):
+        xs = [w + (index - (len(configs) - 1) / 2) * width for w in range(len(workloads))]
+        axes.bar(xs, [speedup.get((w, config), 0) for w in workloads], width, label=config)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(workloads)), workloads, rotation=20, ha="right", fontsize=8)
+    axes.set_ylabel("speedup over plain greedy")
+    axes.set_title(f"codespec bench ({data['device']}, {data['dtype']}, {data['max_tokens']} tokens, "
+                   f"median of {data['repeats']})")
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
