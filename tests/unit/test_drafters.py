@@ -66,3 +66,25 @@ def test_stats_line_has_llama_cpp_fields():
     line = chain.stats[1].summary()
     for field in ("#calls", "#gen drafts", "#acc drafts", "#gen tokens", "#acc tokens", "dur(b,g,a)"):
         assert field in line
+
+
+def reference_lookup(history, max_tokens, ngram_min, ngram_max):
+    """The definition, written plainly: every window of every n, longest n first, latest match."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    length = len(history)
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(history[: length - 1], n) == history[length - n :]).all(axis=1))
+        if hits.size:
+            return history[hits[-1] + n : hits[-1] + n + max_tokens].tolist()
+    return None
+
+
+def test_prompt_lookup_equals_its_plain_definition():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):  # small alphabets: many overlapping and repeated n-grams
+        history = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 60)))
+        ngram_min = int(rng.integers(1, 4))
+        ngram_max = ngram_min + int(rng.integers(0, 4))
+        draft = PromptLookup(ngram_min, ngram_max).draft(history, 8)
+        assert (draft.tokens if draft else None) == reference_lookup(history, 8, ngram_min, ngram_max)
