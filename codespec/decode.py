@@ -22,6 +22,7 @@ class Step:
     tokens: list[int]  # tokens this step appended to the history
     drafted: int  # draft tokens that were verified
     accepted: int  # of those, tokens the target agreed with
+    forward_seconds: float  # the target forward and the accept decision (which waits for its logits)
     finished: str | None = None  # "eos" or "length" when generation must stop here
 
 
@@ -42,8 +43,10 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
 
     # verify: the pending tokens and the whole draft in one forward
     inputs = session.pending + drafted  # [p + k]
+    started = time.perf_counter()
     logits = forward(session.model, session.cache, inputs, len(drafted) + 1)  # [k+1, vocab]
     accepted, next_token = sampler.verify(logits, drafted, draft.probs if draft else None)
+    forward_seconds = time.perf_counter() - started
 
     # accept the agreeing prefix plus the target's own token; never emit past an EOS or the budget
     new_tokens = drafted[:accepted] + [next_token]
@@ -61,7 +64,7 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     if session.length >= context:
         finished = finished or "length"
     session.chain.accept(session.history, len(drafted), accepted)
-    return Step(new_tokens, len(drafted), accepted, finished)
+    return Step(new_tokens, len(drafted), accepted, forward_seconds, finished)
 
 
 def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,
@@ -80,6 +83,7 @@ def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_
         stats.generated_tokens += len(step.tokens)
         stats.drafted_tokens += step.drafted
         stats.accepted_tokens += step.accepted
+        stats.forward_seconds += step.forward_seconds
         stats.seconds = time.perf_counter() - started
         yield step
         if step.finished:

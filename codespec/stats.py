@@ -56,6 +56,7 @@ class GenerationStats:
     drafted_tokens: int = 0  # draft tokens sent to verification
     accepted_tokens: int = 0  # draft tokens the target agreed with
     prefill_seconds: float = 0.0  # time to the first token
+    forward_seconds: float = 0.0  # time in target forwards (and the accept decision waiting on them)
     seconds: float = 0.0  # wall time of the whole generation
     drafters: list[DrafterStats] = field(default_factory=list)
 
@@ -71,6 +72,11 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def overhead_share(self) -> float:
+        """The share of the time spent outside target forwards: drafting, bookkeeping, cache handling."""
+        return max(0.0, 1.0 - self.forward_seconds / self.seconds) if self.seconds > 0 else 0.0
+
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -82,6 +88,8 @@ class GenerationStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_forward": round(self.tokens_per_forward, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
+            "forward_seconds": round(self.forward_seconds, 4),
+            "overhead_share": round(self.overhead_share, 4),
             "seconds": round(self.seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "drafters": [d.to_dict() for d in self.drafters],
@@ -92,5 +100,6 @@ class GenerationStats:
             f"{self.generated_tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.1f} tok/s), "
             f"{self.target_forwards} forwards ({self.tokens_per_forward:.2f} tok/forward), "
             f"acceptance {self.accepted_tokens}/{self.drafted_tokens} ({self.acceptance_rate:.0%}), "
-            f"prompt {self.prompt_tokens} ({self.cached_tokens} cached)"
+            f"prompt {self.prompt_tokens} ({self.cached_tokens} cached), "
+            f"{self.overhead_share:.1%} of the time outside forwards"
         )

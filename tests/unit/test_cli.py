@@ -74,7 +74,7 @@ def test_json_output(capsys, tiny_dir):
     data = json.loads(out)
     assert isinstance(data["text"], str) and len(data["tokens"]) <= 12
     for key in ("generated_tokens", "target_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
-                "tokens_per_forward", "seconds", "tokens_per_second", "drafters"):
+                "tokens_per_forward", "seconds", "tokens_per_second", "forward_seconds", "overhead_share", "drafters"):
         assert key in data["stats"]
     assert data["stats"]["drafters"][0]["name"] == "prompt-lookup"
     assert data["stats"]["generated_tokens"] == len(data["tokens"])

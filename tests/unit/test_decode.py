@@ -31,6 +31,7 @@ def test_greedy_identity_against_plain_and_transformers(engine, model, seed):
     params = SamplingParams(max_tokens=48)
     plain = engine.generate(prompt, params, spec=NONE)
     assert plain.stats.target_forwards == len(plain.tokens)  # one token per forward
+    assert 0 < plain.stats.forward_seconds <= plain.stats.seconds and 0 <= plain.stats.overhead_share < 1
     assert plain.tokens == hf_greedy(model, prompt, 48)
     for draft_max in (1, 3, 8, 32):
         spec = SpecConfig(spec=("prompt-lookup",), draft_max=draft_max, ngram_min=1, ngram_max=3)
