@@ -1,4 +1,4 @@
-"""codespec command line: pull | generate."""
+"""codespec command line: pull | generate | bench | ngram-cache build."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from .config import DEFAULT_MODEL, DRAFT_MAX_LIMIT, SPEC_CHOICES, ModelConfig, SamplingParams, SpecConfig
+from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, SPEC_CHOICES, ModelConfig, SamplingParams, SpecConfig,
+                     unknown_drafters)
 from .errors import CodespecError
 
 
@@ -20,10 +21,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 def spec_list(value: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in value.split(",") if name.strip())
-    unknown = [name for name in names if name not in SPEC_CHOICES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown spec {','.join(unknown) or value!r}; choose from {', '.join(SPEC_CHOICES)}")
+    problem = unknown_drafters(names)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return names
 
 
@@ -121,8 +121,8 @@ def run_bench(args) -> int:
         configs = [c for c in configs if c.name in wanted]
     if not workloads:
         raise CodespecError(f"no workload in classes {args.classes!r}; use edit, completion, multi-turn, free-form")
-    engine = Engine.load(ModelConfig(model=args.model or DEFAULT_MODEL, device=args.device or "auto",
-                                     dtype=args.dtype or "auto"))
+    engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype")
+                                        if getattr(args, name) is not None}))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.two_session:

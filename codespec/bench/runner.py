@@ -133,7 +133,7 @@ def report(rows: list[Row], settings: dict) -> dict:
         classes.setdefault((r["kind"], r["config"]), []).append(r["speedup_vs_plain"])
     summary = [{"kind": kind, "config": config, "median_speedup_vs_plain": round(statistics.median(values), 3)}
                for (kind, config), values in classes.items()]
-    machine = {"device": str(settings.pop("device")), "torch": torch.__version__,
+    machine = {"device": str(settings["device"]), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "machine": platform.machine()}
     return {**settings, **machine, "results": results, "by_class": summary}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..config import SamplingParams, SpecConfig
 from ..engine import Engine
-from .workloads import EDITS, stdlib_source
+from .workloads import EDITS, edit_request
 
 REQUESTS = {  # what B asks for, after A asked for the first edit of EDITS
     "same request": None,
@@ -24,19 +24,13 @@ CONFIGS = {
 }
 
 
-def edit_prompt(change: str) -> str:
-    module, qualname, _ = EDITS[0]
-    return (f"Rewrite this Python function from `{module}`, {change}. Reply with the complete function only."
-            f"\n\n```python\n{stdlib_source(module, qualname)}```")
-
-
 def run_two_session(engine: Engine, max_tokens: int, configs: dict | None = None, progress=None) -> list[dict]:
     params = SamplingParams(max_tokens=max_tokens)
-    first_change = EDITS[0][2]
+    module, qualname, first_change = EDITS[0]
     rows = []
     for request, second_change in REQUESTS.items():
-        prompt_a = engine.encode(edit_prompt(first_change), chat=True)
-        prompt_b = engine.encode(edit_prompt(second_change or first_change), chat=True)
+        prompt_a = engine.encode(edit_request(module, qualname, first_change), chat=True)
+        prompt_b = engine.encode(edit_request(module, qualname, second_change or first_change), chat=True)
         plain_b = None
         for name, spec in (configs or CONFIGS).items():
             engine.shared.pools.clear()  # every configuration starts from an empty pool

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import DRAFTLESS_FIRST, ModelConfig, SpecConfig
+from ..config import MODEL_DRAFTERS, ModelConfig, SpecConfig
 from ..errors import CodespecError
 from .base import Draft, Drafter
 from .chain import Chain
@@ -85,7 +85,7 @@ def build_chain(spec: SpecConfig, shared: SharedDrafting | None = None) -> Chain
     wins, so the cheap draftless ones are asked first and a draft model is the fallback."""
     spec.validate()
     shared = shared or SharedDrafting()
-    order = sorted(spec.spec, key=lambda name: name in DRAFTLESS_FIRST)
+    order = sorted(spec.spec, key=lambda name: name in MODEL_DRAFTERS)
     return Chain([build_drafter(name, spec, shared) for name in order], draft_min=spec.draft_min)
 
 

@@ -196,6 +196,11 @@ class NgramCache(Drafter):
             raise ValueError(f"ngram-cache needs n_max >= 1, got {n_max}")
         self.static, self.n_max = static, n_max
         self.context, self.dynamic = CountTable(), CountTable()
+        # asked in this order, each with its thresholds: the session's own text predicts it best
+        self.tables = [(self.context, LAX_MIN_SAMPLES, LAX_MIN_PERCENT),
+                       (self.dynamic, STRICT_MIN_SAMPLES, STRICT_MIN_PERCENT)]
+        if static is not None:
+            self.tables.append((static, STRICT_MIN_SAMPLES, STRICT_MIN_PERCENT))
         self.tokens: list[int] = []  # the indexed history, so truncate can find what to uncount
         self.generated: list[bool] = []  # per position: did it come through accept (also in dynamic)
 
@@ -224,11 +229,7 @@ class NgramCache(Drafter):
 
     def next_token(self, tail: list[int]) -> int | None:
         ngrams = [tuple(tail[-n:]) for n in range(min(self.n_max, len(tail)), 0, -1)]  # longest first
-        tables = [(self.context, LAX_MIN_SAMPLES, LAX_MIN_PERCENT),
-                  (self.dynamic, STRICT_MIN_SAMPLES, STRICT_MIN_PERCENT)]
-        if self.static is not None:
-            tables.append((self.static, STRICT_MIN_SAMPLES, STRICT_MIN_PERCENT))
-        for table, min_samples, min_percent in tables:
+        for table, min_samples, min_percent in self.tables:
             for ngram in ngrams:
                 top = table.top(ngram)
                 if top is None:

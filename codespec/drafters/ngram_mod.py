@@ -61,12 +61,12 @@ class NgramPool:
                 hashes = hashes * np.uint64(MULTIPLIER) + data[offset : offset + windows]
         return hashes
 
-    def insert(self, tokens: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
-        """Learn "window -> next token" for every position p >= max(start, n) of `tokens`.
-        Returns the (slots, values) written, one per position, for the caller's undo log."""
+    def insert(self, tokens: np.ndarray, start: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """Learn "window -> next token" for every position p >= max(start, n) of `tokens`. Returns the
+        first position learned and the (slots, values) written, one per position, for an undo log."""
         first = max(start, self.n)
         if first >= len(tokens):
-            return np.empty(0, np.int64), np.empty(0, np.int32)
+            return first, np.empty(0, np.int64), np.empty(0, np.int32)
         slots = (self.window_hashes(tokens[first - self.n : len(tokens) - 1]) % np.uint64(self.size)).astype(np.int64)
         values = tokens[first:].astype(np.int32)
         for slot, value in zip(slots.tolist(), values.tolist()):
@@ -78,7 +78,7 @@ class NgramPool:
                 self.values[slot], self.counts[slot] = value, 1
         if self.occupancy > self.reset_occupancy:
             self.reset()
-        return slots, values
+        return first, slots, values
 
     def forget(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Undo writes: only where the slot still holds the token that was written."""
@@ -164,9 +164,8 @@ class NgramMod(Drafter):
 
     def _learn(self, history: np.ndarray) -> None:
         self._sync_epoch()
-        first = max(self.learned, self.pool.n)
         epoch = self.pool.epoch
-        slots, values = self.pool.insert(history, self.learned)
+        first, slots, values = self.pool.insert(history, self.learned)
         if self.pool.epoch == epoch and len(slots):  # a reset during the insert voided what was written
             self.log_starts.append(first)
             self.log_slots.append(slots)
