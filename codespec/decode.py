@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
 
 from .sampling import Sampler
 from .session import Session
@@ -26,13 +25,6 @@ class Step:
     finished: str | None = None  # "eos" or "length" when generation must stop here
 
 
-def forward(model, cache, input_ids: list[int], logits_to_keep: int) -> torch.Tensor:
-    """One target forward over input_ids on top of the cache. Returns logits: [logits_to_keep, vocab]."""
-    ids = torch.tensor([input_ids], dtype=torch.long, device=model.device)  # [1, q]
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
-    return out.logits[0]
-
-
 def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget: int,
                      context: int, eos_ids: frozenset[int]) -> Step:
     """One step: at most `budget` new tokens, never past `context` positions or past an EOS."""
@@ -44,7 +36,7 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     # verify: the pending tokens and the whole draft in one forward
     inputs = session.pending + drafted  # [p + k]
     started = time.perf_counter()
-    logits = forward(session.model, session.cache, inputs, len(drafted) + 1)  # [k+1, vocab]
+    logits = session.path(session.cache, inputs, len(drafted) + 1)  # [k+1, vocab]
     accepted, next_token = sampler.verify(logits, drafted, draft.probs if draft else None)
     forward_seconds = time.perf_counter() - started
 

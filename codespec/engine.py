@@ -12,6 +12,7 @@ from .config import ModelConfig, SamplingParams, SpecConfig
 from .decode import generate_steps
 from .drafters import SharedDrafting, build_chain
 from .errors import CodespecError
+from .forward import forward_path
 from .sampling import Sampler
 from .session import Session
 from .stats import GenerationStats
@@ -46,9 +47,11 @@ class Engine:
     eos_token_ids: frozenset[int] = frozenset()
     sessions: dict[str, Session] = field(default_factory=dict)
     shared: SharedDrafting | None = None  # one ngram-mod pool (and draft model) for all sessions
+    forward: str = "lean"  # see ModelConfig.forward
 
     def __post_init__(self):
         self.spec.validate()
+        self.path = forward_path(self.model, lean=self.forward == "lean")  # the target forward, all sessions
         if self.shared is None:
             self.shared = SharedDrafting(self.model, self.tokenizer)
         if not self.eos_token_ids:
@@ -59,8 +62,10 @@ class Engine:
              show_progress: bool = True) -> "Engine":
         from .models import load
 
-        model, tokenizer = load(model_config or ModelConfig(), show_progress=show_progress)
-        return cls(model, tokenizer, spec or SpecConfig())
+        model_config = model_config or ModelConfig()
+        model_config.validate()
+        model, tokenizer = load(model_config, show_progress=show_progress)
+        return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward)
 
     @property
     def context_length(self) -> int:
@@ -71,7 +76,7 @@ class Engine:
         spec = spec or self.spec
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is None:
-            session = Session(self.model, build_chain(spec, self.shared), session_id)
+            session = Session(self.path, build_chain(spec, self.shared), session_id)
             if session_id is not None:
                 self.sessions[session_id] = session
         elif session.spec != spec:

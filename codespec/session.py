@@ -8,18 +8,18 @@ keystroke, so a new prompt keeps the longest common prefix and prefills only the
 from __future__ import annotations
 
 import numpy as np
-from transformers import DynamicCache
 
 from .drafters import Chain
 
 
 class Session:
-    def __init__(self, model, chain: Chain, session_id: str | None = None):
+    def __init__(self, path, chain: Chain, session_id: str | None = None):
+        """path: the target forward (forward.py), shared by all sessions; each session has its own cache."""
         self.id = session_id
-        self.model = model
+        self.path = path
         self.chain = chain
         self.spec = None  # the SpecConfig the chain was built from
-        self.cache = DynamicCache(config=model.config)
+        self.cache = path.new_cache()
         self._tokens = np.zeros(1024, dtype=np.int64)
         self.length = 0
 
@@ -31,7 +31,7 @@ class Session:
 
     @property
     def cached(self) -> int:
-        return self.cache.get_seq_length()
+        return self.cache.length
 
     @property
     def pending(self) -> list[int]:
@@ -68,9 +68,7 @@ class Session:
         self.chain.truncate(new_len)
 
     def crop_cache(self, new_len: int) -> None:
-        excess = self.cached - new_len
-        if excess > 0:
-            self.cache.crop(-excess)  # transformers 5: a negative count removes that many tokens
+        self.cache.crop(new_len)
 
     def use_chain(self, chain: Chain) -> None:
         """Swap the drafters (a request asked for another spec). The old ones are told the history is
@@ -80,4 +78,4 @@ class Session:
 
     def reset(self) -> None:
         self.truncate(0)
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self.path.new_cache()

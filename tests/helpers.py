@@ -14,7 +14,7 @@ def run_with_chain(session, chain, prompt, max_tokens, draft_max, eos_ids=frozen
     session.use_chain(chain)
     stats = GenerationStats()
     steps = list(generate_steps(session, prompt, Sampler(SamplingParams()), draft_max, max_tokens,
-                                session.model.config.max_position_embeddings, eos_ids, stats))
+                                session.path.config.max_position_embeddings, eos_ids, stats))
     return steps, stats
 
 

@@ -28,10 +28,10 @@ import copy
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from ..config import SamplingParams
 from ..errors import CodespecError
+from ..forward import forward_path
 from ..sampling import warp
 from .base import Draft, Drafter
 
@@ -51,7 +51,8 @@ class DraftModel(Drafter):
         self.p_min = p_min
         self.target_vocab_size = target_vocab_size
         self.context = getattr(model.config, "max_position_embeddings", None)
-        self.cache = DynamicCache(config=model.config)
+        self.path = forward_path(model)
+        self.cache = self.path.new_cache()
         self.tokens: list[int] = []  # the token ids self.cache covers, in order
         self.params = SamplingParams()
         self.generator = torch.Generator(device=model.device)
@@ -67,7 +68,7 @@ class DraftModel(Drafter):
         else:
             self.generator.seed()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
         if self.context is not None:
             # drafting k tokens feeds history plus k-1 of them: keep every position inside the context
@@ -94,11 +95,11 @@ class DraftModel(Drafter):
             return None
         return Draft(tokens, torch.stack(distributions) if sampled else None)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
         self._crop(self._common_prefix(history))  # rejected draft tokens leave the cache now
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def truncate(self, new_len: int) -> None:
         self._crop(new_len)
 
@@ -117,14 +118,13 @@ class DraftModel(Drafter):
     def _crop(self, new_len: int) -> None:
         excess = len(self.tokens) - new_len
         if excess > 0:
-            self.cache.crop(-excess)  # transformers 5: a negative count removes that many tokens
+            self.cache.crop(new_len)
             del self.tokens[new_len:]
 
     def _feed(self, token_ids: list[int]) -> torch.Tensor:
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.model.device)  # [1, n]
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        logits = self.path(self.cache, token_ids, 1)  # [1, vocab]
         self.tokens.extend(token_ids)
-        return self._fit_vocab(out.logits[0, -1])
+        return self._fit_vocab(logits[-1])
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         width, target = logits.shape[-1], self.target_vocab_size

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from codespec.config import SamplingParams, SpecConfig
 from codespec.decode import generate_steps
 from codespec.drafters import Chain
+from codespec.forward import forward_path
 from codespec.drafters.draft_model import DraftModel, check_compatible, truncated_copy
 from codespec.errors import CodespecError
 from codespec.sampling import Sampler, warp
@@ -83,17 +84,17 @@ def test_draft_cache_follows_the_history(engine, small):
     for _ in generate_steps(session, prompt, Sampler(SamplingParams()), DRAFT_MAX, 40, 512, frozenset({EOS}), stats):
         assert drafter.cached <= session.length
         assert drafter.tokens == session.history[: drafter.cached].tolist()
-        assert drafter.cache.get_seq_length() == drafter.cached
+        assert drafter.cache.length == drafter.cached
     assert stats.accepted_tokens < stats.drafted_tokens  # rejections happened, so their crops were exercised
 
     history = session.history.tolist()
     edited = history[:30] + [7, 8, 9]  # an edit above the cursor: diverges at 30
     session.prepare(edited)
-    assert drafter.cached <= 30 and drafter.cache.get_seq_length() == drafter.cached
+    assert drafter.cached <= 30 and drafter.cache.length == drafter.cached
     steps, _ = run_with_chain(session, Chain([drafter]), edited, 16, DRAFT_MAX)
     assert emitted(steps) == engine.generate(edited, SamplingParams(max_tokens=16), spec=NONE).tokens
     session.reset()
-    assert drafter.cached == 0 and drafter.cache.get_seq_length() == 0
+    assert drafter.cached == 0 and drafter.cache.length == 0
 
 
 def confidence(model, tokens: list[int]) -> float:
@@ -140,7 +141,7 @@ def test_sampling_with_a_draft_model_matches_the_models_distribution(model, smal
     assert not torch.allclose(q_first, first, atol=0.05)  # the draft really is a different distribution
 
     drafter = DraftModel(small)
-    session = Session(model, Chain([drafter]))
+    session = Session(forward_path(model), Chain([drafter]))
 
     def sample(seed: int) -> tuple[list[int], GenerationStats]:
         # a seed per trial, as the engine gives every generation its own sampler

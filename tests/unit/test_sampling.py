@@ -8,6 +8,7 @@ import torch
 from codespec.config import SamplingParams
 from codespec.decode import generate_steps
 from codespec.drafters import Chain
+from codespec.forward import forward_path
 from codespec.drafters.none import NoDrafter
 from codespec.sampling import Sampler, verify_rejection, verify_sampled_exact, warp
 from codespec.stats import GenerationStats
@@ -96,7 +97,7 @@ def test_speculative_sampling_matches_the_models_distribution(model, drafter):
 
     from codespec.session import Session
 
-    session = Session(model, Chain([NoDrafter() if drafter == "none" else FixedContinuation(len(prompt), [greedy1, greedy2])]))
+    session = Session(forward_path(model), Chain([NoDrafter() if drafter == "none" else FixedContinuation(len(prompt), [greedy1, greedy2])]))
     sampler = Sampler(params)
     counts = np.zeros(len(outcomes))
     drafted = accepted = 0
