@@ -158,6 +158,9 @@ def add_spec_options(parser: argparse.ArgumentParser) -> None:
             continue
         default = getattr(defaults, field.name)
         flag = "--" + field.name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default {default})")
+            continue
         if field.name in ("draft_max", "draft_min"):
             kind = bounded_int(1, DRAFT_MAX_LIMIT)
         else:

@@ -55,6 +55,7 @@ class SpecConfig:
     spec: tuple[str, ...] = ("ngram-mod", "prompt-lookup")  # first non-empty draft wins: shared pool, then prompt
     draft_max: int = 16  # verifying up to ~8-16 tokens costs about one forward on a CPU
     draft_min: int = 1  # shorter drafts are dropped
+    adaptive: bool = True  # verify only as much of a draft as pays (measured costs x acceptance); off: all
     ngram_min: int = 2  # prompt-lookup: shortest trailing n-gram to look up (1 drafts too much junk)
     ngram_max: int = 4  # prompt-lookup: longest trailing n-gram, tried first
     mod_n: int = 24  # ngram-mod: tokens hashed into a key (llama.cpp's default)
@@ -140,7 +141,7 @@ def load_toml(path: str | Path) -> dict:
                 raise ValueError(f"config {path}: unknown key {key!r} in [{section}]")
             default = getattr(sections[section](), name)
             value = tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
-            if isinstance(default, bool) or not _type_ok(default, value):
+            if not _type_ok(default, value):
                 raise ValueError(f"config {path}: [{section}] {key} = {value!r} has the wrong type")
             result.setdefault(section, {})[name] = value
     return result
@@ -149,6 +150,8 @@ def load_toml(path: str | Path) -> dict:
 def _type_ok(default, value) -> bool:
     if default is None:
         return isinstance(value, (str, int, float))
+    if isinstance(default, bool):
+        return isinstance(value, bool)
     if isinstance(default, float):
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(default, int):

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 
+from .adaptive import Adaptive
 from .sampling import Sampler
 from .session import Session
 from .stats import GenerationStats
@@ -26,19 +27,27 @@ class Step:
 
 
 def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget: int,
-                     context: int, eos_ids: frozenset[int]) -> Step:
-    """One step: at most `budget` new tokens, never past `context` positions or past an EOS."""
+                     context: int, eos_ids: frozenset[int], adaptive: Adaptive | None = None) -> Step:
+    """One step: at most `budget` new tokens, never past `context` positions or past an EOS.
+    With `adaptive`, only as much of the draft is verified as pays on this device (maybe none)."""
     history = session.history
     room = context - len(history)  # positions left for draft tokens plus the target's own token
     draft = session.chain.draft(history, min(draft_max, budget - 1, room - 1))
-    drafted = draft.tokens if draft else []  # [k]
+    proposal = draft.tokens if draft else []
+    pending = session.pending
+    verify = len(proposal)
+    if adaptive is not None and proposal:
+        verify = adaptive.length(session.chain.last, len(proposal), len(pending))
+    drafted = proposal[:verify]  # [k]
+    probs = draft.probs[:verify] if drafted and draft.probs is not None else None
 
-    # verify: the pending tokens and the whole draft in one forward
-    inputs = session.pending + drafted  # [p + k]
+    # verify: the pending tokens and the draft in one forward
     started = time.perf_counter()
-    logits = session.path(session.cache, inputs, len(drafted) + 1)  # [k+1, vocab]
-    accepted, next_token = sampler.verify(logits, drafted, draft.probs if draft else None)
+    logits = session.path(session.cache, pending + drafted, len(drafted) + 1)  # [k+1, vocab]
+    accepted, next_token = sampler.verify(logits, drafted, probs)
     forward_seconds = time.perf_counter() - started
+    if adaptive is not None and proposal:
+        adaptive.observe(session.chain.last, proposal, verify, accepted, next_token)
 
     # accept the agreeing prefix plus the target's own token; never emit past an EOS or the budget
     new_tokens = drafted[:accepted] + [next_token]
@@ -61,14 +70,15 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
 
 def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,
                    max_tokens: int, context: int, eos_ids: frozenset[int],
-                   stats: GenerationStats) -> Iterator[Step]:
+                   stats: GenerationStats, adaptive: Adaptive | None = None) -> Iterator[Step]:
     """Run steps until EOS, max_tokens or the context is full, updating `stats` as it goes."""
     started = time.perf_counter()
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = session.prepare(prompt)
     session.chain.begin(session.history, sampler.params)
     while True:
-        step = speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context, eos_ids)
+        step = speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context, eos_ids,
+                                adaptive)
         if stats.target_forwards == 0:
             stats.prefill_seconds = time.perf_counter() - started
         stats.target_forwards += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .adaptive import Adaptive, CostModel, cached_costs
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .decode import generate_steps
 from .drafters import SharedDrafting, build_chain
@@ -52,6 +53,7 @@ class Engine:
     def __post_init__(self):
         self.spec.validate()
         self.path = forward_path(self.model, lean=self.forward == "lean")  # the target forward, all sessions
+        self._costs = None
         if self.shared is None:
             self.shared = SharedDrafting(self.model, self.tokenizer)
         if not self.eos_token_ids:
@@ -70,6 +72,13 @@ class Engine:
     @property
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def costs(self) -> CostModel:
+        """Seconds per target forward over n tokens on this device, measured on first use (adaptive.py)."""
+        if self._costs is None:
+            self._costs = cached_costs(self.path, self.model, self.model.config.vocab_size)
+        return self._costs
 
     def session(self, session_id: str | None = None, spec: SpecConfig | None = None) -> Session:
         """The named session (created on first use); None gives a fresh, unnamed one."""
@@ -117,8 +126,11 @@ class Engine:
         before = [s.copy() for s in session.chain.stats]
         stats = GenerationStats()
         text = TextAssembler(self.tokenizer, params.stop)
+        if spec.adaptive and session.adaptive is None:
+            session.adaptive = Adaptive(self.costs)
         steps = generate_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
-                               self.context_length, self.eos_token_ids, stats)
+                               self.context_length, self.eos_token_ids, stats,
+                               session.adaptive if spec.adaptive else None)
         finish_reason = "length"
         for step in steps:
             delta, stop_at = text.add(step.tokens)

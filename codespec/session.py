@@ -20,6 +20,7 @@ class Session:
         self.chain = chain
         self.spec = None  # the SpecConfig the chain was built from
         self.cache = path.new_cache()
+        self.adaptive = None  # acceptance evidence per drafter, set by the engine (adaptive.py)
         self._tokens = np.zeros(1024, dtype=np.int64)
         self.length = 0
 

@@ -11,7 +11,8 @@ class DrafterStats:
 
     name: str
     calls: int = 0  # times the drafter was asked for a draft
-    gen_drafts: int = 0  # non-empty drafts it returned
+    gen_drafts: int = 0  # non-empty drafts it returned that the target verified
+    skipped_drafts: int = 0  # drafts held back: adaptive speculation judged they would not pay
     acc_drafts: int = 0  # drafts with at least one accepted token
     gen_tokens: int = 0  # tokens it drafted
     acc_tokens: int = 0  # of those, tokens the target accepted
@@ -42,7 +43,7 @@ class DrafterStats:
         """One line in llama.cpp's shape: #calls, #gen drafts, #acc drafts, #gen tokens, #acc tokens, dur."""
         return (
             f"{self.name}: #calls = {self.calls}, #gen drafts = {self.gen_drafts}, #acc drafts = {self.acc_drafts}, "
-            f"#gen tokens = {self.gen_tokens}, #acc tokens = {self.acc_tokens}, "
+            f"#skipped drafts = {self.skipped_drafts}, #gen tokens = {self.gen_tokens}, #acc tokens = {self.acc_tokens}, "
             f"dur(b,g,a) = {self.begin_s * 1e3:.3f}, {self.draft_s * 1e3:.3f}, {self.accept_s * 1e3:.3f} ms"
         )
 

@@ -39,16 +39,24 @@ class Chain:
             stats.calls += 1
             if proposal is not None and len(proposal.tokens) >= self.draft_min:
                 proposal.tokens = proposal.tokens[:max_tokens]
-                stats.gen_drafts += 1
-                stats.gen_tokens += len(proposal.tokens)
                 self._last = index
                 return proposal
         return None
 
+    @property
+    def last(self) -> str | None:
+        """The name of the drafter whose draft is being verified."""
+        return self.drafters[self._last].name if self._last is not None else None
+
     def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
+        """The target verified `drafted` tokens of the last draft (0: the draft was held back) and
+        accepted `accepted` of them."""
         for index, (drafter, stats) in enumerate(zip(self.drafters, self.stats)):
             own = index == self._last
             if own:
+                stats.gen_drafts += drafted > 0
+                stats.skipped_drafts += drafted == 0
+                stats.gen_tokens += drafted
                 stats.acc_tokens += accepted
                 stats.acc_drafts += accepted > 0
             started = time.perf_counter()

@@ -1,0 +1,145 @@
+"""Adaptive speculation: how many draft tokens to verify, and whether to speculate at all.
+
+A verify forward over n tokens costs `cost(n)` seconds, measured once per device, model and precision
+(`measure_costs`, cached on disk). Each drafter's draft tokens are accepted with probability `alpha`,
+estimated from the drafts the target checked, with old evidence fading. Verifying k draft tokens then
+yields 1 + alpha + ... + alpha^k tokens on average for cost(pending + k); `choose` takes the k (0 = plain
+decoding) with the most tokens per second. A held-back draft still teaches: the target's own next token
+is compared with the first draft token it did not verify, so a drafter that was switched off is switched
+back on as soon as it would pay again. With exact costs and alpha, speculation is never slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .config import codespec_home
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per forward that are timed; others are interpolated
+
+
+@dataclass
+class CostModel:
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]  # median seconds of one forward over sizes[i] tokens
+
+    def cost(self, tokens: int) -> float:
+        """Seconds for a forward over `tokens` tokens: interpolated, extended linearly past the last size."""
+        sizes, seconds = self.sizes, self.seconds
+        if tokens >= sizes[-1]:
+            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+            return seconds[-1] + slope * (tokens - sizes[-1])
+        return float(np.interp(tokens, sizes, seconds))
+
+    def relative(self, tokens: int) -> float:
+        return self.cost(tokens) / self.cost(1)
+
+    def to_dict(self) -> dict:
+        return {"tokens": list(self.sizes), "ms": [round(s * 1e3, 2) for s in self.seconds]}
+
+
+def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, ...] = SIZES,
+                  repeats: int = 3) -> CostModel:
+    """Time forwards over each size on top of `context` cached tokens (medians; one warm-up each)."""
+    rng = np.random.default_rng(0)
+    cache = path.new_cache()
+    path(cache, rng.integers(0, vocab_size, context).tolist(), 1)
+    medians = []
+    for size in sizes:
+        tokens = rng.integers(0, vocab_size, size).tolist()
+        timings = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            path(cache, tokens, size)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            timings.append(time.perf_counter() - started)
+            cache.crop(context)
+        medians.append(statistics.median(timings[1:]))
+    return CostModel(tuple(sizes), tuple(medians))
+
+
+def cached_costs(path, model, vocab_size: int) -> CostModel:
+    """measure_costs, remembered on disk for a named model on this machine, device, precision and thread count."""
+    name = getattr(model.config, "_name_or_path", "") or ""
+    if not name:
+        return measure_costs(path, vocab_size)
+    key = json.dumps([name, str(model.device), str(model.dtype), type(path).__name__, torch.get_num_threads(),
+                      torch.__version__, platform.processor(), platform.node(), list(SIZES)])
+    file = codespec_home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    try:
+        data = json.loads(file.read_text())
+        return CostModel(tuple(data["sizes"]), tuple(data["seconds"]))
+    except (OSError, ValueError, KeyError):
+        pass
+    costs = measure_costs(path, vocab_size)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps({"key": key, "sizes": costs.sizes, "seconds": costs.seconds}))
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return costs
+
+
+@dataclass
+class Acceptance:
+    """Evidence that one drafter's tokens are accepted: a Beta(1, 1) prior plus fading counts."""
+
+    FADE = 0.8  # weight kept by earlier evidence at each new draft: about the last five drafts count
+
+    hits: float = 0.0
+    misses: float = 0.0
+    skipped: int = 0  # drafts not verified because they would not have paid
+
+    def observe(self, hits: int, missed: bool) -> None:
+        self.hits = self.FADE * self.hits + hits
+        self.misses = self.FADE * self.misses + missed
+
+    @property
+    def alpha(self) -> float:
+        return (self.hits + 1.0) / (self.hits + self.misses + 2.0)
+
+
+def choose(costs: CostModel, alpha: float, available: int, pending: int) -> int:
+    """The number of draft tokens (0..available) that maximises expected tokens per second."""
+    best_k, best_rate = 0, 1.0 / costs.cost(pending)
+    expected = 1.0
+    for k in range(1, available + 1):
+        expected += alpha ** k  # 1 + alpha + ... + alpha^k: the target's token plus the accepted prefix
+        rate = expected / costs.cost(pending + k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass
+class Adaptive:
+    """One session's acceptance evidence per drafter, and the device's costs."""
+
+    costs: CostModel
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)
+
+    def length(self, drafter: str, available: int, pending: int) -> int:
+        return choose(self.costs, self.of(drafter).alpha, available, pending)
+
+    def of(self, drafter: str) -> Acceptance:
+        return self.acceptance.setdefault(drafter, Acceptance())
+
+    def observe(self, drafter: str, draft: list[int], verified: int, accepted: int, next_token: int) -> None:
+        """The target accepted `accepted` of the first `verified` draft tokens, then chose next_token."""
+        evidence = self.of(drafter)
+        if verified < len(draft) and accepted == verified:  # the target's own token checks one more
+            hit = next_token == draft[verified]
+            evidence.observe(accepted + hit, missed=not hit)
+        else:
+            evidence.observe(accepted, missed=accepted < verified)
+        if verified == 0:
+            evidence.skipped += 1
