@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -26,18 +25,29 @@ from .config import codespec_home
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per forward that are timed; others are interpolated
 
 
-@dataclass
 class CostModel:
-    sizes: tuple[int, ...]
-    seconds: tuple[float, ...]  # median seconds of one forward over sizes[i] tokens
+    """Seconds of one forward over n tokens: measured at SIZES, interpolated in between, then corrected
+    by the forwards that generation actually runs (so a measurement disturbed by other load heals)."""
+
+    LEARN = 0.1  # weight of each observed forward in its size's running estimate
+
+    def __init__(self, sizes: tuple[int, ...], seconds: tuple[float, ...]):
+        self.sizes, self.seconds = tuple(sizes), tuple(seconds)
+        # never cheaper for more tokens: a noisy small size takes the cheapest larger size's time
+        monotone = np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[::-1])[::-1]
+        self.table = np.interp(np.arange(sizes[-1] + 1), sizes, monotone)  # [n] -> seconds, n = 0..last
 
     def cost(self, tokens: int) -> float:
-        """Seconds for a forward over `tokens` tokens: interpolated, extended linearly past the last size."""
-        sizes, seconds = self.sizes, self.seconds
-        if tokens >= sizes[-1]:
-            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
-            return seconds[-1] + slope * (tokens - sizes[-1])
-        return float(np.interp(tokens, sizes, seconds))
+        """Seconds for a forward over `tokens` tokens; extended linearly past the last size."""
+        last = len(self.table) - 1
+        if tokens <= last:
+            return float(self.table[max(tokens, 1)])
+        slope = (self.table[last] - self.table[self.sizes[-2]]) / (last - self.sizes[-2])
+        return float(self.table[last] + slope * (tokens - last))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if 1 <= tokens < len(self.table):
+            self.table[tokens] += self.LEARN * (seconds - self.table[tokens])
 
     def relative(self, tokens: int) -> float:
         return self.cost(tokens) / self.cost(1)
@@ -47,12 +57,13 @@ class CostModel:
 
 
 def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, ...] = SIZES,
-                  repeats: int = 3) -> CostModel:
-    """Time forwards over each size on top of `context` cached tokens (medians; one warm-up each)."""
+                  repeats: int = 4) -> CostModel:
+    """Time forwards over each size on top of `context` cached tokens. The fastest of the repeats counts:
+    other load on the machine only ever adds time."""
     rng = np.random.default_rng(0)
     cache = path.new_cache()
     path(cache, rng.integers(0, vocab_size, context).tolist(), 1)
-    medians = []
+    fastest = []
     for size in sizes:
         tokens = rng.integers(0, vocab_size, size).tolist()
         timings = []
@@ -63,8 +74,8 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
                 torch.cuda.synchronize()
             timings.append(time.perf_counter() - started)
             cache.crop(context)
-        medians.append(statistics.median(timings[1:]))
-    return CostModel(tuple(sizes), tuple(medians))
+        fastest.append(min(timings[1:]))
+    return CostModel(tuple(sizes), tuple(fastest))
 
 
 def cached_costs(path, model, vocab_size: int) -> CostModel:

@@ -46,8 +46,10 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     logits = session.path(session.cache, pending + drafted, len(drafted) + 1)  # [k+1, vocab]
     accepted, next_token = sampler.verify(logits, drafted, probs)
     forward_seconds = time.perf_counter() - started
-    if adaptive is not None and proposal:
-        adaptive.observe(session.chain.last, proposal, verify, accepted, next_token)
+    if adaptive is not None:
+        adaptive.costs.observe(len(pending) + len(drafted), forward_seconds)
+        if proposal:
+            adaptive.observe(session.chain.last, proposal, verify, accepted, next_token)
 
     # accept the agreeing prefix plus the target's own token; never emit past an EOS or the budget
     new_tokens = drafted[:accepted] + [next_token]

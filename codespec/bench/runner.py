@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,6 +17,7 @@ PLAIN = "plain"
 HF_PLAIN = "transformers generate"
 HF_LOOKUP = "transformers prompt lookup"
 DEFAULT_CHAIN = "codespec default"
+FIXED_CHAIN = "default fixed-length"  # the default chain with adaptive speculation off
 
 
 @dataclass
@@ -33,6 +34,32 @@ class Run:
     forwards: int | None = None
     drafted: int | None = None
     accepted: int | None = None
+    prefill_seconds: float = 0.0  # time to each turn's first token: the same work for every config
+    turns: int = 0
+    outside_forwards: float = 0.0  # seconds outside target forwards (codespec configs)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.prefill_seconds
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.tokens) - self.turns  # each turn's first token comes with its prefill
+
+
+class FirstTokenClock:
+    """A transformers streamer that notes when generate() emits its first new token."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 @dataclass
@@ -45,13 +72,18 @@ class Row:
     def seconds(self) -> float:
         return statistics.median(run.seconds for run in self.runs)
 
+    @property
+    def decode_seconds(self) -> float:
+        return statistics.median(run.decode_seconds for run in self.runs)
+
 
 def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig) -> list[Config]:
     def spec(*names):
         return SpecConfig(spec=names, draft_max=draft_max)
 
     configs = [Config(PLAIN, spec("none")), Config(HF_LOOKUP, hf_options={"prompt_lookup_num_tokens": 10}),
-               Config(DEFAULT_CHAIN, default_spec), Config("prompt-lookup", spec("prompt-lookup"))]
+               Config(DEFAULT_CHAIN, default_spec), Config(FIXED_CHAIN, replace(default_spec, adaptive=False)),
+               Config("prompt-lookup", spec("prompt-lookup"))]
     if not quick:
         configs += [Config(HF_PLAIN, hf_options={})] + [
             Config(name, spec(name)) for name in ("ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")]
@@ -64,6 +96,7 @@ def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens:
     session_id = f"bench-{time.monotonic_ns()}"
     messages: list[dict] = []
     total = Run(0.0, [], 0, 0, 0) if config.spec else Run(0.0, [])
+    total.turns = len(workload.turns[:turns])
     params = SamplingParams(max_tokens=max_tokens)
     for turn in workload.turns[:turns]:
         if workload.chat:
@@ -75,16 +108,20 @@ def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens:
             result = engine.generate(prompt, params, session_id=session_id, spec=config.spec)
             tokens, stats = result.tokens, result.stats
             total.seconds += stats.seconds
+            total.prefill_seconds += stats.prefill_seconds
+            total.outside_forwards += stats.seconds - stats.forward_seconds
             total.forwards += stats.target_forwards
             total.drafted += stats.drafted_tokens
             total.accepted += stats.accepted_tokens
         else:
             inputs = torch.tensor([prompt], device=engine.model.device)
+            clock = FirstTokenClock()
             started = time.perf_counter()
-            out = engine.model.generate(inputs, max_new_tokens=max_tokens, do_sample=False,
+            out = engine.model.generate(inputs, max_new_tokens=max_tokens, do_sample=False, streamer=clock,
                                         eos_token_id=sorted(engine.eos_token_ids),
                                         pad_token_id=min(engine.eos_token_ids), **config.hf_options)
             total.seconds += time.perf_counter() - started
+            total.prefill_seconds += (clock.first or time.perf_counter()) - started
             tokens = out[0, len(prompt):].tolist()
         total.tokens += tokens
         messages.append({"role": "assistant", "content": engine.tokenizer.decode(tokens, skip_special_tokens=True)})
@@ -121,33 +158,52 @@ def report(rows: list[Row], settings: dict) -> dict:
                 "tokens": len(first.tokens),
                 "seconds_median": round(row.seconds, 4),
                 "tokens_per_second": round(len(first.tokens) / row.seconds, 2),
+                "decode_tokens_per_second": round(first.decode_tokens / row.decode_seconds, 2),
+                "prefill_seconds_median": round(statistics.median(run.prefill_seconds for run in row.runs), 4),
                 "tokens_per_forward": round(len(first.tokens) / first.forwards, 3) if first.forwards else None,
                 "acceptance": round(first.accepted / first.drafted, 3) if first.drafted else None,
                 "speedup_vs_plain": round(plain.seconds / row.seconds, 3),
                 "speedup_vs_transformers_prompt_lookup": round(hf_lookup.seconds / row.seconds, 3),
+                "decode_speedup_vs_plain": round(plain.decode_seconds / row.decode_seconds, 3),
+                "decode_speedup_vs_transformers_prompt_lookup": round(hf_lookup.decode_seconds / row.decode_seconds, 3),
+                "outside_forwards_share": (round(statistics.median(run.outside_forwards / run.seconds
+                                                                   for run in row.runs), 4)
+                                           if first.forwards else None),
                 "identical_to_plain": all(run.tokens == reference for run in row.runs),
                 "repeats": len(row.runs),
             })
-    classes: dict[tuple[str, str], list[float]] = {}
+    classes: dict[tuple[str, str], list[dict]] = {}
     for r in results:
-        classes.setdefault((r["kind"], r["config"]), []).append(r["speedup_vs_plain"])
-    summary = [{"kind": kind, "config": config, "median_speedup_vs_plain": round(statistics.median(values), 3)}
-               for (kind, config), values in classes.items()]
+        classes.setdefault((r["kind"], r["config"]), []).append(r)
+    summary = [{"kind": kind, "config": config,
+                **{f"median_{key}": round(statistics.median(r[key] for r in members), 3)
+                   for key in ("speedup_vs_plain", "decode_speedup_vs_plain", "decode_tokens_per_second",
+                               "speedup_vs_transformers_prompt_lookup")},
+                "all_identical_to_plain": all(r["identical_to_plain"] for r in members)}
+               for (kind, config), members in classes.items()]
     machine = {"device": str(settings["device"]), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "machine": platform.machine()}
     return {**settings, **machine, "results": results, "by_class": summary}
 
 
 def format_table(data: dict) -> str:
-    header = (f"{'workload':26} {'config':27} {'tok/s':>7} {'tok/fwd':>7} {'accept':>6} {'vs plain':>8} "
-              f"{'vs hf-pld':>9} same")
+    """Speedups end to end (prefill included) and for decoding alone (after each turn's first token)."""
+    header = (f"{'workload':26} {'config':27} {'tok/s':>6} {'dec t/s':>7} {'tok/fwd':>7} {'accept':>6} "
+              f"{'vs plain':>8} {'dec vs plain':>12} {'vs hf-pld':>9} same")
     lines = [header, "-" * len(header)]
     for r in data["results"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "-"
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-        lines.append(f"{r['workload']:26} {r['config']:27} {r['tokens_per_second']:7.1f} {tpf:>7} {acc:>6} "
-                     f"{r['speedup_vs_plain']:7.2f}x {r['speedup_vs_transformers_prompt_lookup']:8.2f}x "
+        lines.append(f"{r['workload']:26} {r['config']:27} {r['tokens_per_second']:6.1f} "
+                     f"{r['decode_tokens_per_second']:7.1f} {tpf:>7} {acc:>6} {r['speedup_vs_plain']:7.2f}x "
+                     f"{r['decode_speedup_vs_plain']:11.2f}x {r['speedup_vs_transformers_prompt_lookup']:8.2f}x "
                      f"{'yes' if r['identical_to_plain'] else 'NO'}")
+    lines += ["", f"{'class':12} {'config':27} {'vs plain':>8} {'dec vs plain':>12} {'dec t/s':>7} {'vs hf-pld':>9}",
+              "-" * 82]
+    for s in data["by_class"]:
+        lines.append(f"{s['kind']:12} {s['config']:27} {s['median_speedup_vs_plain']:7.2f}x "
+                     f"{s['median_decode_speedup_vs_plain']:11.2f}x {s['median_decode_tokens_per_second']:7.1f} "
+                     f"{s['median_speedup_vs_transformers_prompt_lookup']:8.2f}x")
     return "\n".join(lines)
 
 
