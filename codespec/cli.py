@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-max", type=bounded_int(1, DRAFT_MAX_LIMIT), default=SpecConfig().draft_max)
     bench.add_argument("--two-session", action="store_true",
                        help="session A rewrites a file, then session B rewrites it: the shared pool at work")
+    bench.add_argument("--forward-costs", action="store_true",
+                       help="only time one forward over k = 1..64 tokens per forward path, next to the machine's "
+                            "floor, with a profile (a full run includes this)")
     bench.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     return parser
 
@@ -113,18 +116,19 @@ def run_bench(args) -> int:
     repeats, max_tokens, turns = (1, 48, 3) if quick else (args.repeats, args.max_tokens, 5)
     classes = {name.strip() for name in args.classes.split(",") if name.strip()}
     workloads = [w for w in all_workloads(1 if quick else args.per_class) if w.kind in classes]
-    configs = runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max))
+    known = [c.name for c in runner.build_configs(quick, args.draft_max, SpecConfig())]
+    wanted = set(known)
     if args.configs:
         wanted = {name.strip() for name in args.configs.split(",")} | {runner.PLAIN, runner.HF_LOOKUP}
-        unknown = wanted - {c.name for c in configs}
+        unknown = wanted - set(known)
         if unknown:
-            raise CodespecError(f"unknown bench config {', '.join(sorted(unknown))}; "
-                                f"choose from {', '.join(c.name for c in configs)}")
-        configs = [c for c in configs if c.name in wanted]
+            raise CodespecError(f"unknown bench config {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
     if not workloads:
         raise CodespecError(f"no workload in classes {args.classes!r}; use edit, completion, multi-turn, free-form")
     engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype", "forward")
                                         if getattr(args, name) is not None}))
+    configs = [c for c in runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max),
+                                               engine.model.config.num_hidden_layers) if c.name in wanted]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.two_session:
@@ -136,10 +140,25 @@ def run_bench(args) -> int:
         (out / "two-session.json").write_text(json.dumps({"two_session": rows, "max_tokens": args.max_tokens},
                                                          indent=2))
         return 0
+    forward = None
+    if args.forward_costs or not quick:
+        from .bench.forward_costs import forward_costs, format_forward_costs, outside_forward_share
+
+        with tqdm(total=4, desc="forward costs", unit="step") as progress:
+            forward = forward_costs(engine.model, engine.model.config.vocab_size, progress)
+            edits = [w for w in all_workloads(1) if w.kind == "edit"]
+            forward["outside_forwards_at_draft_max_64"] = outside_forward_share(engine, edits[0], max_tokens)
+            progress.update()
+        print(format_forward_costs(forward))
+        if args.forward_costs:
+            (out / "forward.json").write_text(json.dumps(forward, indent=2))
+            return 0
     with tqdm(total=len(workloads) * len(configs) * repeats, desc="bench", unit="run") as progress:
         rows = runner.run_bench(engine, workloads, configs, repeats, max_tokens, turns, progress)
     data = runner.report(rows, {"device": engine.model.device, "dtype": str(engine.model.dtype).removeprefix("torch."),
                                 "max_tokens": max_tokens, "repeats": repeats, "turns": turns, "quick": quick})
+    if forward is not None:
+        data["forward"] = forward
     print(runner.format_table(data))
     (out / "bench.json").write_text(json.dumps(data, indent=2))
     runner.plot(data, str(out / "bench.png"))

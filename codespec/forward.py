@@ -18,6 +18,8 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
 from __future__ import annotations
 
 import math
+import warnings
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -97,19 +99,21 @@ class LeanLlama:
         # q.k are unchanged because q and k are reordered alike. The 1/sqrt(head_dim) scale goes into W_q.
         order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
         scale = 1.0 / math.sqrt(self.head_dim)
-        self.layers = []
+        self.linears: list[Linear] = []  # kept for their weights; the layers use the flat list below
+        self.weights: list[torch.Tensor] = []  # per layer: norm1, qkv, o, norm2, gate_up, down
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q = attn.q_proj.weight.view(self.heads, self.head_dim, -1)[:, order].reshape(-1, self.hidden) * scale
             k = attn.k_proj.weight.view(self.kv_heads, self.head_dim, -1)[:, order].reshape(-1, self.hidden)
-            self.layers.append((
-                layer.input_layernorm.weight,
-                Linear(torch.cat([q, k, attn.v_proj.weight]).contiguous()),
-                Linear(attn.o_proj.weight),
-                layer.post_attention_layernorm.weight,
-                Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()),
-                Linear(mlp.down_proj.weight),
-            ))
+            linears = [Linear(torch.cat([q, k, attn.v_proj.weight]).contiguous()), Linear(attn.o_proj.weight),
+                       Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()),
+                       Linear(mlp.down_proj.weight)]
+            self.linears += linears
+            qkv, o, gate_up, down = (linear.packed if linear.packed is not None else linear.weight
+                                     for linear in linears)
+            self.weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
+        self.packed = self.lm_head.packed is not None
+        self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
         # float32 angles and cos/sin, as transformers computes them (for every model dtype)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.int64).float() / half))
@@ -139,7 +143,7 @@ class LeanLlama:
         return rotary.to(torch.complex128 if self.dtype == torch.float64 else torch.complex64).to(self.device)
 
     def new_cache(self) -> StaticCache:
-        return StaticCache(len(self.layers), self.kv_heads, self.head_dim, self.INITIAL_CAPACITY,
+        return StaticCache(len(self.weights) // 6, self.kv_heads, self.head_dim, self.INITIAL_CAPACITY,
                            self.dtype, self.device)
 
     @torch.no_grad()
@@ -153,37 +157,86 @@ class LeanLlama:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         x = F.embedding(ids, self.embed)  # [q, hidden]
         rotary = self.rotary[start:end, None, :]  # [q, 1, half]
-        groups, heads, kv_heads, dim = self.heads // self.kv_heads, self.heads, self.kv_heads, self.head_dim
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         mask = None
         if count > 1:  # query i sees keys 0..start+i
             key_positions = torch.arange(end, device=self.device)
             query_positions = torch.arange(start, end, device=self.device)[:, None]
             mask = torch.zeros((count, end), dtype=self.dtype, device=self.device)
             mask.masked_fill_(key_positions > query_positions, float("-inf"))
-        for index, (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
-            h = F.rms_norm(x, (self.hidden,), norm1, self.eps)
-            qkv = qkv_proj(h)  # [q, (heads + 2 kv_heads) dim]
-            qk = qkv[:, : (heads + kv_heads) * dim].reshape(count, heads + kv_heads, dim // 2, 2)
-            qk = torch.view_as_real(torch.view_as_complex(qk.float() if qk.dtype == torch.bfloat16 else qk)
-                                    * rotary).to(self.dtype).flatten(2)  # [q, heads + kv_heads, dim]
-            keys, values = cache.keys[index], cache.values[index]  # [kv_heads, capacity, dim]
-            keys[:, start:end] = qk[:, heads:].transpose(0, 1)
-            values[:, start:end] = qkv[:, (heads + kv_heads) * dim :].view(count, kv_heads, dim).transpose(0, 1)
-            # grouped-query attention without repeating the cache: the query heads that share a KV head
-            # become rows of one matmul against that head's keys
-            q = qk[:, :heads].reshape(count, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * count, dim)
-            scores = torch.bmm(q, keys[:, :end].transpose(1, 2))  # [kv_heads, groups q, end]
-            if mask is not None:
-                scores = scores.view(kv_heads, groups, count, end).add_(mask).view(kv_heads, groups * count, end)
-            attention = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end])  # [kv_heads, groups q, dim]
-            attention = attention.view(kv_heads, groups, count, dim).permute(2, 0, 1, 3).reshape(count, heads * dim)
-            x = x + o_proj(attention)
-            h = F.rms_norm(x, (self.hidden,), norm2, self.eps)
-            gate, up = gate_up_proj(h).chunk(2, dim=-1)
-            x = x + down_proj(F.silu(gate).mul_(up))
+        x = self.run_layers(x, cache.keys, cache.values, rotary, mask, start, self.weights, self.packed,
+                            self.eps, heads, kv_heads, dim)
         cache.length = end
         x = F.rms_norm(x[count - logits_to_keep :], (self.hidden,), self.norm, self.eps)
         return self.lm_head(x)  # [logits_to_keep, vocab]
+
+
+def run_layers(x: torch.Tensor, keys_all: torch.Tensor, values_all: torch.Tensor, rotary: torch.Tensor,
+               mask: Optional[torch.Tensor], start: int, weights: List[torch.Tensor], packed: bool, eps: float,
+               heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+    """Every decoder layer over x [q, hidden] at positions start..start+q-1, writing keys and values into
+    the cache. One plain function (no modules, no hooks) so that TorchScript can run it without Python."""
+    count = x.shape[0]
+    end = start + count
+    groups = heads // kv_heads
+    hidden = x.shape[1]
+    no_scalars: List[Optional[Union[int, float, complex]]] = []
+    for index in range(len(weights) // 6):
+        norm1, qkv_w, o_w = weights[6 * index], weights[6 * index + 1], weights[6 * index + 2]
+        norm2, gate_up_w, down_w = weights[6 * index + 3], weights[6 * index + 4], weights[6 * index + 5]
+        h = torch.rms_norm(x, [hidden], norm1, eps)
+        if packed:
+            qkv = torch.ops.mkldnn._linear_pointwise(h, qkv_w, None, "none", no_scalars, "")
+        else:
+            qkv = F.linear(h, qkv_w)  # [q, (heads + 2 kv_heads) dim]
+        qk = qkv[:, : (heads + kv_heads) * dim].reshape(count, heads + kv_heads, dim // 2, 2)
+        if qk.dtype == torch.bfloat16:  # no bf16 complex numbers: rotate in float32
+            qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rotary).to(torch.bfloat16).flatten(2)
+        else:
+            qk = torch.view_as_real(torch.view_as_complex(qk) * rotary).flatten(2)  # [q, heads + kv_heads, dim]
+        keys, values = keys_all[index], values_all[index]  # [kv_heads, capacity, dim]
+        keys[:, start:end] = qk[:, heads:].transpose(0, 1)
+        values[:, start:end] = qkv[:, (heads + kv_heads) * dim :].view(count, kv_heads, dim).transpose(0, 1)
+        # grouped-query attention without repeating the cache: the query heads that share a KV head
+        # become rows of one matmul against that head's keys
+        q = qk[:, :heads].reshape(count, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * count, dim)
+        scores = torch.bmm(q, keys[:, :end].transpose(1, 2))  # [kv_heads, groups q, end]
+        if mask is not None:
+            scores = scores.view(kv_heads, groups, count, end).add_(mask).view(kv_heads, groups * count, end)
+        attention = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end])  # [kv_heads, groups q, dim]
+        attention = attention.view(kv_heads, groups, count, dim).permute(2, 0, 1, 3).reshape(count, heads * dim)
+        if packed:
+            x = x + torch.ops.mkldnn._linear_pointwise(attention, o_w, None, "none", no_scalars, "")
+        else:
+            x = x + F.linear(attention, o_w)
+        h = torch.rms_norm(x, [hidden], norm2, eps)
+        if packed:
+            gate_up = torch.ops.mkldnn._linear_pointwise(h, gate_up_w, None, "none", no_scalars, "")
+        else:
+            gate_up = F.linear(h, gate_up_w)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if packed:
+            x = x + torch.ops.mkldnn._linear_pointwise(F.silu(gate).mul_(up), down_w, None, "none", no_scalars, "")
+        else:
+            x = x + F.linear(F.silu(gate).mul_(up), down_w)
+    return x
+
+
+_COMPILED = []
+
+
+def compiled_layers():
+    """run_layers under TorchScript, which runs the ~40 small operations per layer without the Python
+    interpreter (about 5 ms less per forward of the default model on 2 CPU cores); plain Python when
+    TorchScript is unavailable."""
+    if not _COMPILED:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript announces its deprecation
+                _COMPILED.append(torch.jit.script(run_layers))
+        except Exception:  # any failure to script leaves the same function, interpreted
+            _COMPILED.append(run_layers)
+    return _COMPILED[0]
 
 
 class TransformersCache(DynamicCache):

@@ -17,7 +17,8 @@ PLAIN = "plain"
 HF_PLAIN = "transformers generate"
 HF_LOOKUP = "transformers prompt lookup"
 DEFAULT_CHAIN = "codespec default"
-FIXED_CHAIN = "default fixed-length"  # the default chain with adaptive speculation off
+FIXED_CHAIN = "default fixed-length"
+DRAFT_QUARTER = "draft (first quarter of layers)"  # the target's first layers as its own draft model  # the default chain with adaptive speculation off
 
 
 @dataclass
@@ -77,7 +78,8 @@ class Row:
         return statistics.median(run.decode_seconds for run in self.runs)
 
 
-def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig) -> list[Config]:
+def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig, layers: int = 30) -> list[Config]:
+    """layers: the target's layer count; the draft model config uses its first quarter."""
     def spec(*names):
         return SpecConfig(spec=names, draft_max=draft_max)
 
@@ -87,6 +89,8 @@ def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig) -> list
     if not quick:
         configs += [Config(HF_PLAIN, hf_options={})] + [
             Config(name, spec(name)) for name in ("ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")]
+        # a draft model is always at hand: the target's own first layers, sharing its weights
+        configs.append(Config(DRAFT_QUARTER, replace(spec("draft"), draft_layers=max(1, layers // 4))))
     return configs
 
 

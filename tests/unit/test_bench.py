@@ -2,7 +2,6 @@
 
 import json
 
-
 from codespec.bench import runner
 from codespec.bench.workloads import all_workloads
 from codespec.config import SpecConfig
@@ -14,7 +13,8 @@ def test_quick_bench_on_the_tiny_model(tokenizer, tmp_path):
     engine = Engine(tiny_model(context=8192), tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}))
     workloads = all_workloads(1)
     assert {w.kind for w in workloads} == {"edit", "completion", "multi-turn", "free-form"}
-    configs = runner.build_configs(quick=False, draft_max=8, default_spec=SpecConfig(draft_max=8))
+    configs = runner.build_configs(quick=False, draft_max=8, default_spec=SpecConfig(draft_max=8), layers=2)
+    assert {runner.DEFAULT_CHAIN, runner.FIXED_CHAIN, runner.DRAFT_QUARTER} <= {c.name for c in configs}
     rows = runner.run_bench(engine, workloads, configs, repeats=2, max_tokens=8, turns=3)
     data = runner.report(rows, {"device": engine.model.device, "dtype": "float64", "max_tokens": 8, "repeats": 2})
     assert all(r["identical_to_plain"] for r in data["results"]), [r for r in data["results"] if not r["identical_to_plain"]]
@@ -26,3 +26,22 @@ def test_quick_bench_on_the_tiny_model(tokenizer, tmp_path):
     runner.plot(data, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "codespec default" in runner.format_table(data)
+    row = data["results"][0]
+    assert row["decode_tokens_per_second"] > 0 and row["decode_speedup_vs_plain"] > 0
+
+
+def test_forward_costs_table_on_the_tiny_model():
+    import torch
+
+    from codespec.bench.forward_costs import SIZES, format_forward_costs, forward_costs
+
+    model = tiny_model(dtype=torch.float32)
+    data = forward_costs(model, model.config.vocab_size)
+    assert [row["path"] for row in data["rows"]] == ["lean float32", "transformers float32", "lean bfloat16"]
+    assert all(sorted(row["ms"]) == list(SIZES) and row["floor_ms"] > 0 for row in data["rows"])
+    bf16 = data["rows"][2]
+    assert abs(bf16["floor_ms"] * 2 - data["rows"][0]["floor_ms"]) < 0.02  # half the bytes
+    shares = data["profile"][0]["shares"]
+    assert set(shares) == {"weight matmuls", "attention", "other kernels", "python, dispatch, gaps"}
+    assert abs(sum(shares.values()) - 1) < 0.05
+    assert "lean float32" in format_forward_costs(data)

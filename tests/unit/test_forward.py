@@ -81,3 +81,14 @@ def test_models_the_lean_path_cannot_run_fall_back_to_transformers(change, reaso
     assert isinstance(forward_path(model), TransformersForward)
     assert isinstance(forward_path(tiny_model()), LeanLlama)
     assert isinstance(forward_path(tiny_model(), lean=False), TransformersForward)
+
+
+def test_layers_run_under_torchscript_and_match_the_interpreted_function(model, monkeypatch):
+    from codespec import forward
+
+    lean = LeanLlama(model)
+    assert isinstance(lean.run_layers, torch.jit.ScriptFunction)  # this torch build can script it
+    prompt = list(range(3, 30))
+    scripted = lean(lean.new_cache(), prompt, 3)
+    monkeypatch.setattr(lean, "run_layers", forward.run_layers)
+    assert torch.equal(lean(lean.new_cache(), prompt, 3), scripted)

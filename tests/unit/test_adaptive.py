@@ -1,0 +1,139 @@
+"""Adaptive speculation: measured costs x per-drafter acceptance pick the draft length, output unchanged."""
+
+import numpy as np
+import pytest
+
+from codespec.adaptive import Acceptance, Adaptive, CostModel, choose, measure_costs
+from codespec.config import SamplingParams, SpecConfig
+from codespec.decode import generate_steps
+from codespec.drafters import Chain
+from codespec.drafters.none import NoDrafter
+from codespec.forward import forward_path
+from codespec.sampling import Sampler
+from codespec.session import Session
+from codespec.stats import GenerationStats
+from tests.tiny import EOS, FixedContinuation
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def fixed_costs(per_token: float) -> CostModel:
+    """1 s for one token plus per_token s for each further token; frozen (no learning from real forwards)."""
+    costs = CostModel(SIZES, tuple(1.0 + per_token * (n - 1) for n in SIZES))
+    costs.LEARN = 0.0
+    return costs
+
+
+def test_costs_interpolate_extend_and_never_fall_with_more_tokens():
+    costs = CostModel((1, 2, 4, 8), (1.0, 0.9, 1.2, 2.0))  # a noisy k=1 measurement, slower than k=2
+    assert costs.cost(1) == pytest.approx(0.9)  # monotone: k=1 takes the cheaper larger size
+    assert costs.cost(3) == pytest.approx(1.05)
+    assert costs.cost(12) == pytest.approx(2.0 + 0.2 * 4)  # the last slope, extended
+    assert costs.relative(8) == pytest.approx(2.0 / 0.9)
+
+
+def test_observed_forwards_pull_their_size_toward_what_they_took():
+    costs = CostModel((1, 2, 4), (1.0, 1.0, 1.0))
+    for _ in range(50):
+        costs.observe(2, 3.0)
+    assert costs.cost(2) == pytest.approx(3.0, rel=0.02)
+    costs.observe(500, 9.0)  # a prefill: past the table, ignored
+    assert costs.cost(4) == 1.0
+
+
+@pytest.mark.parametrize("alpha, per_token, expected", [
+    (0.0, 0.1, 0),  # nothing is ever accepted: plain decoding
+    (0.05, 0.1, 0),  # a 5% chance of one more token does not pay for 10% more time
+    (0.95, 0.0, 16),  # free verification: verify everything offered
+    (0.9, 0.1, 10),  # (1 - 0.9^(k+1)) / 0.1 / (1 + 0.1 k): 3.26 at k=6, 3.43 at k=10, 3.39 at k=12
+])
+def test_choose_maximises_expected_tokens_per_second(alpha, per_token, expected):
+    assert choose(fixed_costs(per_token), alpha, available=16, pending=1) == expected
+
+
+def test_choose_never_prefers_speculation_that_is_slower_than_plain():
+    costs = fixed_costs(0.2)
+    for alpha in np.linspace(0, 0.99, 34):
+        k = choose(costs, alpha, available=32, pending=1)
+        expected = sum(alpha ** i for i in range(k + 1))
+        assert expected / costs.cost(1 + k) >= 1 / costs.cost(1)
+
+
+def test_acceptance_counts_the_targets_own_token_against_the_first_unverified_draft_token():
+    adaptive = Adaptive(fixed_costs(0.1))
+    adaptive.observe("lookup", [5, 6, 7], verified=0, accepted=0, next_token=5)  # held back, would have hit
+    adaptive.observe("lookup", [5, 6, 7], verified=1, accepted=1, next_token=9)  # second token would have missed
+    evidence = adaptive.of("lookup")
+    assert evidence.skipped == 1
+    assert evidence.hits == pytest.approx(0.9 * 1 + 1) and evidence.misses == pytest.approx(1)
+    adaptive.observe("lookup", [5, 6], verified=2, accepted=2, next_token=1)  # all verified and accepted
+    assert evidence.misses == pytest.approx(0.9) and evidence.alpha > 0.5
+    assert Acceptance().alpha == 0.5  # no evidence yet: an even prior
+
+
+def run(model, prompt, drafter, adaptive, max_tokens=40):
+    session = Session(forward_path(model), Chain([drafter]))
+    stats = GenerationStats()
+    steps = list(generate_steps(session, prompt, Sampler(SamplingParams()), 16, max_tokens,
+                                model.config.max_position_embeddings, frozenset({EOS}), stats, adaptive))
+    return [t for step in steps for t in step.tokens], stats, session.chain.stats[0]
+
+
+def test_useless_drafts_stop_being_verified_and_output_is_unchanged(model):
+    prompt = list(range(10, 30))
+    plain, _, _ = run(model, prompt, NoDrafter(), None)
+    wrong = FixedContinuation(len(prompt), [(t + 1) % 300 + 1 for t in plain])  # always the wrong token
+    tokens, stats, drafter = run(model, prompt, wrong, Adaptive(fixed_costs(0.1)))
+    assert tokens == plain
+    assert drafter.skipped_drafts > 0.7 * stats.target_forwards and stats.accepted_tokens == 0
+
+
+def test_good_drafts_are_verified_in_full_when_verification_is_cheap(model):
+    prompt = list(range(10, 30))
+    plain, _, _ = run(model, prompt, NoDrafter(), None)
+    tokens, stats, drafter = run(model, prompt, FixedContinuation(len(prompt), plain), Adaptive(fixed_costs(0.01)))
+    assert tokens == plain
+    assert stats.target_forwards <= 6 and drafter.skipped_drafts == 0
+
+
+def test_a_drafter_switched_off_comes_back_when_its_drafts_would_pay(model):
+    """Wrong for the first 20 tokens, right afterwards: the held-back drafts keep being checked against the
+    target's tokens, so verification resumes."""
+    prompt = list(range(10, 30))
+    plain, _, _ = run(model, prompt, NoDrafter(), None, max_tokens=80)
+    mixed = [(t + 1) % 300 + 1 if i < 20 else t for i, t in enumerate(plain)]
+    tokens, stats, drafter = run(model, prompt, FixedContinuation(len(prompt), mixed), Adaptive(fixed_costs(0.1)),
+                                 max_tokens=80)
+    assert tokens == plain
+    assert drafter.skipped_drafts > 0 and stats.accepted_tokens > 40
+
+
+def test_measured_costs_cover_every_size(model):
+    costs = measure_costs(forward_path(model), model.config.vocab_size, context=16, sizes=(1, 2, 4), repeats=1)
+    assert costs.sizes == (1, 2, 4) and all(s > 0 for s in costs.seconds)
+
+
+def test_engine_measures_costs_once_and_adaptive_output_matches_plain(engine):
+    prompt = list(range(10, 40)) * 2
+    adaptive = engine.generate(prompt, SamplingParams(max_tokens=30), spec=SpecConfig(spec=("prompt-lookup",)))
+    fixed = engine.generate(prompt, SamplingParams(max_tokens=30),
+                            spec=SpecConfig(spec=("prompt-lookup",), adaptive=False))
+    plain = engine.generate(prompt, SamplingParams(max_tokens=30), spec=SpecConfig(spec=("none",)))
+    assert adaptive.tokens == fixed.tokens == plain.tokens
+    assert engine.costs is engine.costs
+
+
+def test_adaptive_flag_and_config_key(tmp_path):
+    from argparse import Namespace
+
+    from codespec.cli import build_parser, settings_from_args
+    from codespec.errors import CodespecError
+
+    _, spec, _ = settings_from_args(build_parser().parse_args(["generate", "--no-adaptive", "x"]))
+    assert spec.adaptive is False
+    config = tmp_path / "c.toml"
+    config.write_text("[spec]\nadaptive = false\n")
+    assert settings_from_args(Namespace(config=str(config)))[1].adaptive is False
+    config.write_text("[spec]\nadaptive = 1\n")
+    with pytest.raises(CodespecError, match="wrong type"):
+        settings_from_args(Namespace(config=str(config)))
