@@ -16,6 +16,7 @@ def test_quick_bench_on_the_tiny_model(tokenizer, tmp_path):
     configs = runner.build_configs(quick=False, draft_max=8, default_spec=SpecConfig(draft_max=8), layers=2)
     assert {runner.DEFAULT_CHAIN, runner.FIXED_CHAIN, runner.DRAFT_QUARTER} <= {c.name for c in configs}
     rows = runner.run_bench(engine, workloads, configs, repeats=2, max_tokens=8, turns=3)
+    assert not engine.sessions  # every run's session (and its KV cache) is dropped
     data = runner.report(rows, {"device": engine.model.device, "dtype": "float64", "max_tokens": 8, "repeats": 2})
     assert all(r["identical_to_plain"] for r in data["results"]), [r for r in data["results"] if not r["identical_to_plain"]]
     assert len(data["results"]) == len(workloads) * len(configs)
