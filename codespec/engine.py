@@ -126,11 +126,15 @@ class Engine:
         before = [s.copy() for s in session.chain.stats]
         stats = GenerationStats()
         text = TextAssembler(self.tokenizer, params.stop)
-        if spec.adaptive and session.adaptive is None:
+        # Seeded sampling must repeat exactly, and the random stream it consumes depends on how many draft
+        # tokens each step verifies: so draft lengths may not depend on timing there. (Greedy output never
+        # depends on them.)
+        adaptive = spec.adaptive and (params.temperature == 0 or params.seed is None)
+        if adaptive and session.adaptive is None:
             session.adaptive = Adaptive(self.costs)
         steps = generate_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
                                self.context_length, self.eos_token_ids, stats,
-                               session.adaptive if spec.adaptive else None)
+                               session.adaptive if adaptive else None)
         finish_reason = "length"
         for step in steps:
             delta, stop_at = text.add(step.tokens)

@@ -137,3 +137,13 @@ def test_adaptive_flag_and_config_key(tmp_path):
     config.write_text("[spec]\nadaptive = 1\n")
     with pytest.raises(CodespecError, match="wrong type"):
         settings_from_args(Namespace(config=str(config)))
+
+
+def test_seeded_sampling_repeats_exactly_whatever_the_timing(engine):
+    """Draft lengths chosen from timings would change how much randomness each step draws."""
+    prompt = list(range(10, 40)) * 2
+    params = SamplingParams(max_tokens=30, temperature=0.9, seed=11)
+    engine.costs.LEARN = 1.0  # every forward rewrites its cost estimate: timings vary run to run
+    first = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",)))
+    second = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",)))
+    assert first.tokens == second.tokens
