@@ -99,7 +99,6 @@ class LeanLlama:
         # q.k are unchanged because q and k are reordered alike. The 1/sqrt(head_dim) scale goes into W_q.
         order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
         scale = 1.0 / math.sqrt(self.head_dim)
-        self.linears: list[Linear] = []  # kept for their weights; the layers use the flat list below
         self.weights: list[torch.Tensor] = []  # per layer: norm1, qkv, o, norm2, gate_up, down
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -108,7 +107,6 @@ class LeanLlama:
             linears = [Linear(torch.cat([q, k, attn.v_proj.weight]).contiguous()), Linear(attn.o_proj.weight),
                        Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()),
                        Linear(mlp.down_proj.weight)]
-            self.linears += linears
             qkv, o, gate_up, down = (linear.packed if linear.packed is not None else linear.weight
                                      for linear in linears)
             self.weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
