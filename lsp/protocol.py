@@ -1,0 +1,106 @@
+"""The one protocol schema: every custom method, command id, argument shape and setting that codespec's
+language server speaks beyond standard LSP.
+
+The server and the tests import this module; the editor clients read `editors/protocol.json`, which is
+generated from it (`python -m lsp.protocol > editors/protocol.json`) and checked by a test, so a client that
+disagrees with the server fails CI instead of failing in the editor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, field, fields
+
+SERVER_NAME = "codespec"
+SETTINGS_SECTION = "codespec"  # workspace/configuration section and initializationOptions key
+
+
+@dataclass(frozen=True)
+class Argument:
+    name: str
+    type: str  # JSON type: "string", "object" (an LSP Range), ...
+    doc: str
+
+
+@dataclass(frozen=True)
+class Command:
+    """A refactoring command: offered as a code action on a selection, run with workspace/executeCommand
+    whose single argument is an object with these fields; the server answers with workspace/applyEdit."""
+
+    id: str
+    title: str
+    arguments: tuple[Argument, ...]
+    prompt: str | None = None  # the client asks the user for the last argument with this prompt
+
+
+URI = Argument("uri", "string", "the document")
+RANGE = Argument("range", "object", "the selection, an LSP Range (UTF-16 positions)")
+
+REWRITE_SELECTION = Command(
+    "codespec.rewriteSelection", "codespec: rewrite selection",
+    (URI, RANGE, Argument("instruction", "string", "what to change, in plain words")),
+    prompt="Rewrite instruction")
+ADD_DOCSTRINGS = Command("codespec.addDocstrings", "codespec: add docstrings", (URI, RANGE))
+ADD_TYPE_HINTS = Command("codespec.addTypeHints", "codespec: add type hints", (URI, RANGE))
+TRANSLATE_COMMENTS = Command(
+    "codespec.translateComments", "codespec: translate comments",
+    (URI, RANGE, Argument("language", "string", "the language to translate comments into")),
+    prompt="Translate comments into")
+
+COMMANDS = (REWRITE_SELECTION, ADD_DOCSTRINGS, ADD_TYPE_HINTS, TRANSLATE_COMMENTS)
+COMMANDS_BY_ID = {command.id: command for command in COMMANDS}
+
+# Server -> client notification after each completion or command: what speculation did.
+STATS_NOTIFICATION = "codespec/stats"
+
+
+@dataclass
+class Stats:
+    """Params of codespec/stats."""
+
+    kind: str  # "completion" or a command id
+    generated_tokens: int
+    tokens_per_second: float
+    tokens_per_forward: float
+    acceptance: float  # accepted draft tokens / drafted tokens, 0 when nothing was drafted
+
+
+@dataclass
+class Settings:
+    """initializationOptions[SETTINGS_SECTION] and workspace/didChangeConfiguration settings[SETTINGS_SECTION].
+    Every key is optional; a missing one keeps its current value."""
+
+    model: str = "smollm2"  # the model to load (only read at start: a running server keeps its model)
+    spec: list[str] = field(default_factory=lambda: ["ngram-mod", "prompt-lookup"])  # drafter chain
+    draft_max: int = 16  # longest draft
+    max_tokens: int = 128  # longest inline completion
+    command_max_tokens: int = 1024  # longest refactoring output
+    debounce_ms: int = 150  # wait this long after the last keystroke before completing
+
+
+def _json_type(python_type) -> str:
+    name = python_type if isinstance(python_type, str) else python_type.__name__
+    return {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}.get(
+        name.split("[")[0], "array" if name.startswith("list") else "string")
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def schema() -> dict:
+    """The protocol as JSON data for the editor clients."""
+    return {
+        "server": SERVER_NAME,
+        "settingsSection": SETTINGS_SECTION,
+        "commands": [{"id": c.id, "title": c.title, "prompt": c.prompt,
+                      "arguments": [{"name": a.name, "type": a.type, "doc": a.doc} for a in c.arguments]}
+                     for c in COMMANDS],
+        "notifications": {"stats": {"method": STATS_NOTIFICATION,
+                                    "params": [f.name for f in fields(Stats)]}},
+        "settings": [{"name": f.name, "type": _json_type(f.type), "default": _default(f)} for f in fields(Settings)],
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(schema(), indent=2))
