@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import codespec_home
+from .config import MODEL_DRAFTERS, codespec_home
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per forward that are timed; others are interpolated
 
@@ -122,13 +122,14 @@ class Acceptance:
         return (self.hits + self.PRIOR) / (self.hits + self.misses + 2 * self.PRIOR)
 
 
-def choose(costs: CostModel, alpha: float, available: int, pending: int) -> int:
-    """The number of draft tokens (0..available) that maximises expected tokens per second."""
+def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_cost: float = 0.0) -> int:
+    """The number of draft tokens (0..available) that maximises expected tokens per second; draft_cost is
+    the seconds drafting one more token costs (a draft model's forward; n-gram drafts are free)."""
     best_k, best_rate = 0, 1.0 / costs.cost(pending)
     expected = 1.0
     for k in range(1, available + 1):
         expected += alpha ** k  # 1 + alpha + ... + alpha^k: the target's token plus the accepted prefix
-        rate = expected / costs.cost(pending + k)
+        rate = expected / (costs.cost(pending + k) + k * draft_cost)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
@@ -138,11 +139,39 @@ def choose(costs: CostModel, alpha: float, available: int, pending: int) -> int:
 class Adaptive:
     """One session's acceptance evidence per drafter, and the device's costs."""
 
+    PROBE = 8  # a model drafter judged not to pay still drafts one token every PROBE steps, to notice a change
+    LEARN = 0.2  # weight of each new draft in a drafter's per-token drafting time
+
     costs: CostModel
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    draft_seconds: dict[str, float] = field(default_factory=dict)  # per drafted token, model drafters only
 
     def length(self, drafter: str, available: int, pending: int) -> int:
+        """How many of a drafted proposal's tokens to verify (the drafting is paid for by then)."""
         return choose(self.costs, self.of(drafter).alpha, available, pending)
+
+    def draft_limit(self, pending: int):
+        """limit(name, available) for Chain.draft: how many tokens a model drafter should draft at all, its
+        own time per token counted. N-gram drafters cost next to nothing and always draft in full."""
+        def limit(drafter: str, available: int) -> int:
+            seconds = self.draft_seconds.get(drafter)
+            if seconds is None:  # not a model drafter, or not timed yet
+                return available
+            evidence = self.of(drafter)
+            tokens = choose(self.costs, evidence.alpha, available, pending, seconds)
+            if tokens == 0:
+                evidence.skipped += 1
+                tokens = 1 if evidence.skipped % self.PROBE == 0 else 0
+            return tokens
+        return limit
+
+    def observe_draft(self, drafter: str, tokens: int, seconds: float) -> None:
+        """A drafter took `seconds` to draft `tokens` tokens; only model drafters' times are kept."""
+        if drafter not in MODEL_DRAFTERS:
+            return
+        per_token = seconds / tokens
+        previous = self.draft_seconds.get(drafter)
+        self.draft_seconds[drafter] = per_token if previous is None else previous + self.LEARN * (per_token - previous)
 
     def of(self, drafter: str) -> Acceptance:
         return self.acceptance.setdefault(drafter, Acceptance())

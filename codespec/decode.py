@@ -32,9 +32,13 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     With `adaptive`, only as much of the draft is verified as pays on this device (maybe none)."""
     history = session.history
     room = context - len(history)  # positions left for draft tokens plus the target's own token
-    draft = session.chain.draft(history, min(draft_max, budget - 1, room - 1))
-    proposal = draft.tokens if draft else []
     pending = session.pending
+    limit = adaptive.draft_limit(len(pending)) if adaptive is not None else None
+    started = time.perf_counter()
+    draft = session.chain.draft(history, min(draft_max, budget - 1, room - 1), limit)
+    proposal = draft.tokens if draft else []
+    if adaptive is not None and proposal:
+        adaptive.observe_draft(session.chain.last, len(proposal), time.perf_counter() - started)
     verify = len(proposal)
     if adaptive is not None and proposal:
         verify = adaptive.length(session.chain.last, len(proposal), len(pending))

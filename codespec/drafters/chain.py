@@ -28,17 +28,22 @@ class Chain:
             drafter.begin(history, params)
             stats.begin_s += time.perf_counter() - started
 
-    def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
+    def draft(self, history: np.ndarray, max_tokens: int, limit=None) -> Draft | None:
+        """The first draft of at least draft_min tokens. limit(name, max_tokens), when given, caps what one
+        drafter may draft (0: skip it) — adaptive speculation's say on drafters whose drafting is costly."""
         self._last = None
         if max_tokens < self.draft_min:
             return None
         for index, (drafter, stats) in enumerate(zip(self.drafters, self.stats)):
+            allowed = limit(drafter.name, max_tokens) if limit is not None else max_tokens
+            if allowed < self.draft_min:
+                continue
             started = time.perf_counter()
-            proposal = drafter.draft(history, max_tokens)
+            proposal = drafter.draft(history, allowed)
             stats.draft_s += time.perf_counter() - started
             stats.calls += 1
             if proposal is not None and len(proposal.tokens) >= self.draft_min:
-                proposal.tokens = proposal.tokens[:max_tokens]
+                proposal.tokens = proposal.tokens[:allowed]
                 self._last = index
                 return proposal
         return None

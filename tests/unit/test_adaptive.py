@@ -147,3 +147,36 @@ def test_seeded_sampling_repeats_exactly_whatever_the_timing(engine):
     first = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",)))
     second = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",)))
     assert first.tokens == second.tokens
+
+
+def test_drafting_cost_shortens_a_model_drafters_draft_and_can_switch_it_off():
+    costs = fixed_costs(0.05)
+    assert choose(costs, 0.8, 16, 1) > choose(costs, 0.8, 16, 1, draft_cost=0.3) > 0
+    assert choose(costs, 0.3, 16, 1, draft_cost=0.5) == 0
+
+    adaptive = Adaptive(costs)
+    limit = adaptive.draft_limit(pending=1)
+    assert limit("draft", 16) == 16  # not timed yet: the first draft measures it
+    adaptive.observe_draft("prompt-lookup", 16, 10.0)  # n-gram drafters are never capped
+    assert limit("prompt-lookup", 16) == 16
+    adaptive.observe_draft("draft", 4, 4 * 0.5)
+    for _ in range(20):
+        adaptive.of("draft").observe(0, missed=True)
+    lengths = [limit("draft", 16) for _ in range(2 * Adaptive.PROBE)]
+    assert lengths.count(1) == 2 and set(lengths) == {0, 1}  # off, but probing now and then
+
+
+def test_chain_skips_a_drafter_its_limit_rules_out():
+    class Fixed(NoDrafter):
+        def __init__(self, name, tokens):
+            self.name, self.tokens = name, tokens
+
+        def draft(self, history, max_tokens):
+            from codespec.drafters import Draft
+            return Draft(self.tokens[:max_tokens])
+
+    chain = Chain([Fixed("draft", [1, 2, 3]), Fixed("prompt-lookup", [4, 5, 6])])
+    history = np.zeros(4, dtype=np.int64)
+    assert chain.draft(history, 8, lambda name, n: 0 if name == "draft" else n).tokens == [4, 5, 6]
+    assert chain.last == "prompt-lookup"
+    assert chain.draft(history, 8, lambda name, n: 2).tokens == [1, 2]
