@@ -125,11 +125,13 @@ class Acceptance:
 def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_cost: float = 0.0) -> int:
     """The number of draft tokens (0..available) that maximises expected tokens per second; draft_cost is
     the seconds drafting one more token costs (a draft model's forward; n-gram drafts are free)."""
-    best_k, best_rate = 0, 1.0 / costs.cost(pending)
+    plain = costs.cost(pending)
+    best_k, best_rate = 0, 1.0 / plain
     expected = 1.0
     for k in range(1, available + 1):
         expected += alpha ** k  # 1 + alpha + ... + alpha^k: the target's token plus the accepted prefix
-        rate = expected / (costs.cost(pending + k) + k * draft_cost)
+        # more tokens never cost less, whatever noise the learnt estimates picked up
+        rate = expected / (max(costs.cost(pending + k), plain) + k * draft_cost)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
@@ -139,7 +141,7 @@ def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_c
 class Adaptive:
     """One session's acceptance evidence per drafter, and the device's costs."""
 
-    PROBE = 8  # a model drafter judged not to pay still drafts one token every PROBE steps, to notice a change
+    PROBE = 16  # a model drafter judged not to pay still drafts one token every PROBE steps, to notice a change
     LEARN = 0.2  # weight of each new draft in a drafter's per-token drafting time
 
     costs: CostModel

@@ -14,7 +14,6 @@ from ..engine import Engine
 from .workloads import Workload
 
 PLAIN = "plain"
-HF_PLAIN = "transformers generate"
 HF_LOOKUP = "transformers prompt lookup"
 DEFAULT_CHAIN = "codespec default"
 FIXED_CHAIN = "default fixed-length"
@@ -87,7 +86,7 @@ def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig, layers:
                Config(DEFAULT_CHAIN, default_spec), Config(FIXED_CHAIN, replace(default_spec, adaptive=False)),
                Config("prompt-lookup", spec("prompt-lookup"))]
     if not quick:
-        configs += [Config(HF_PLAIN, hf_options={})] + [
+        configs += [
             Config(name, spec(name)) for name in ("ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")]
         # a draft model is always at hand: the target's own first layers, sharing its weights
         configs.append(Config(DRAFT_QUARTER, replace(spec("draft"), draft_layers=max(1, layers // 4))))
