@@ -1,4 +1,4 @@
-"""codespec command line: pull | generate | bench | ngram-cache build."""
+"""codespec command line: pull | generate | bench | ngram-cache build | lsp | serve."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 
 from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, SPEC_CHOICES, ModelConfig, SamplingParams,
-                     SpecConfig, unknown_drafters)
+                     ServerConfig, SpecConfig, unknown_drafters)
 from .errors import CodespecError
 
 
@@ -81,6 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("-o", "--output", required=True, help="the cache file to write (.npz)")
     build.add_argument("--model", help="whose tokenizer to count with (default: the embedded model)")
     build.add_argument("--n-max", type=bounded_int(1, 8), default=SpecConfig().cache_n_max)
+
+    lsp = commands.add_parser("lsp", help="the language server: inline completions and refactoring commands "
+                                          "(stdio unless --tcp)")
+    add_model_options(lsp)
+    lsp.add_argument("--tcp", metavar="HOST:PORT", help="listen on a TCP port for one client instead of stdio")
+
+    serve = commands.add_parser("serve", help="HTTP server: llama.cpp-compatible /infill, OpenAI completions "
+                                              "and chat, /metrics, /slots")
+    server = ServerConfig()
+    serve.add_argument("--host", default=server.host, help=f"(default {server.host}: this machine only)")
+    serve.add_argument("--port", type=bounded_int(0, 65535), default=server.port, help=f"(default {server.port})")
+    serve.add_argument("--api-key", default=os.environ.get("CODESPEC_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $CODESPEC_API_KEY, else none)")
+    add_model_options(serve)
+    serve.add_argument("--spec", type=spec_list, default=None,
+                       help=f"default drafter chain (default {','.join(SpecConfig().spec)}); requests may override")
+    add_spec_options(serve)
+    serve.add_argument("--config", help="TOML file with [model], [spec] and [sampling] tables (flags override it)")
+    serve.add_argument("--max-queue", type=bounded_int(1, 1 << 16), default=server.max_queue,
+                       help=f"requests waiting before 429 (default {server.max_queue})")
+    serve.add_argument("--parallel", type=bounded_int(1, 1024), default=server.parallel,
+                       help=f"requests taking turns step by step (default {server.parallel})")
+    serve.add_argument("--slots", type=bounded_int(0, 1024), default=server.slots,
+                       help=f"sessions picked by longest common prefix for requests naming none (default {server.slots})")
+    serve.add_argument("--session-memory", type=bounded_int(0, 1 << 20), default=server.session_memory >> 20,
+                       metavar="MB", help=f"KV-cache MB named sessions may hold before the least recently used are "
+                                          f"evicted (default {server.session_memory >> 20})")
 
     bench = commands.add_parser("bench", help="measure speculation against plain decoding and transformers")
     add_model_options(bench)
@@ -284,6 +311,48 @@ def run_ngram_cache(args) -> int:
     return 0
 
 
+def run_lsp(args) -> int:
+    from lsp.server import serve
+
+    tcp = None
+    if args.tcp is not None:
+        host, _, port = args.tcp.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise CodespecError(f"--tcp wants HOST:PORT, got {args.tcp!r}")
+        tcp = (host, int(port))
+    given = {name: getattr(args, name) for name in ("model", "device", "dtype", "forward")
+             if getattr(args, name) is not None}
+    try:
+        model_config = ModelConfig(**given)
+        model_config.validate()
+    except ValueError as exc:
+        raise CodespecError(str(exc)) from None
+    serve(model_config, model_fixed=args.model is not None, tcp=tcp)
+    return 0
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from .engine import Engine
+    from .models import DEFAULT_ALIASES, DEFAULT_NAME
+    from .server import create_app
+
+    model_config, spec, params = settings_from_args(args)
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, max_queue=args.max_queue,
+                          parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20)
+    engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
+    name = DEFAULT_NAME if model_config.model in DEFAULT_ALIASES else model_config.model
+    app = create_app(engine, config, params, spec, model_name=name)
+    print(f"codespec: serving {name} on http://{config.host}:{config.port} (/infill, /v1/completions, "
+          f"/v1/chat/completions, /metrics, /slots)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+        raise CodespecError(f"cannot serve on {config.host}:{config.port} (is the port in use?)") from exc
+    return 0
+
+
 def run_pull(args) -> int:
     from .models import pull
 
@@ -296,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
     try:
-        commands = {"pull": run_pull, "generate": run_generate, "bench": run_bench, "ngram-cache": run_ngram_cache}
+        commands = {"pull": run_pull, "generate": run_generate, "bench": run_bench, "ngram-cache": run_ngram_cache,
+                    "lsp": run_lsp, "serve": run_serve}
         return commands[args.command](args)
     except CodespecError as exc:
         print(f"codespec: error: {exc}", file=sys.stderr)

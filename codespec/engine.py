@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .adaptive import Adaptive, CostModel, cached_costs
-from .config import ModelConfig, SamplingParams, SpecConfig
+from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import generate_steps
 from .drafters import SharedDrafting, build_chain
 from .errors import CodespecError
@@ -38,6 +38,7 @@ class Chunk:
     text: str
     tokens: list[int]
     result: GenerationResult | None = None  # set on the last chunk
+    stats: GenerationStats | None = None  # the generation's statistics so far (live: progress, a cut-short job)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Engine:
     sessions: dict[str, Session] = field(default_factory=dict)
     shared: SharedDrafting | None = None  # one ngram-mod pool (and draft model) for all sessions
     forward: str = "lean"  # see ModelConfig.forward
+    session_memory: int = SESSION_MEMORY  # KV-cache bytes named sessions may hold; evict() drops the idlest
 
     def __post_init__(self):
         self.spec.validate()
@@ -90,8 +92,45 @@ class Engine:
                 self.sessions[session_id] = session
         elif session.spec != spec:
             session.use_chain(build_chain(spec, self.shared))
+        if session_id is not None:  # most recently used last: evict() drops from the front
+            self.sessions[session_id] = self.sessions.pop(session_id)
         session.spec = spec
         return session
+
+    def evict(self, keep=()) -> list[str]:
+        """Drop the least recently used named sessions, except those in `keep` (busy ones), until their KV caches
+        fit in session_memory bytes; returns the ids dropped. What they taught the shared ngram-mod pool stays:
+        it is knowledge for every session, bounded by the pool's fixed size, not this session's memory."""
+        total = sum(session_bytes(s) for s in self.sessions.values())
+        dropped = []
+        for session_id in list(self.sessions):
+            if total <= self.session_memory:
+                break
+            if session_id in keep:
+                continue
+            total -= session_bytes(self.sessions.pop(session_id))
+            dropped.append(session_id)
+        return dropped
+
+    def warm(self, prompt: str | list[int], session_id: str | None = None, spec: SpecConfig | None = None,
+             chat: bool = False, chunk_tokens: int = 0) -> Iterator[int]:
+        """Prefill a session's KV cache with a prompt without generating (llama.vim's `n_predict: 0`), so the next
+        request that extends it only feeds the new tokens. A generator: it first yields the prompt tokens reused
+        from the session's cache, then the tokens cached after each forward of at most chunk_tokens (0: one
+        forward), so a scheduler can run other requests between the chunks of a long prompt."""
+        prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise CodespecError("the prompt is empty")
+        if len(prompt_ids) >= self.context_length:
+            raise CodespecError(
+                f"the prompt is {len(prompt_ids)} tokens but the model's context is {self.context_length}")
+        session = self.session(session_id, spec or self.spec)
+        yield session.prepare(prompt_ids)  # a prompt that diverges from the history truncates the drafters here
+        pending = session.pending[:-1]  # the last token stays pending: the generation feeds it for its logits
+        step = chunk_tokens if chunk_tokens > 0 else max(len(pending), 1)
+        for start in range(0, len(pending), step):
+            self.path(session.cache, pending[start : start + step], 1)
+            yield session.cached
 
     def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
         if not text:
@@ -107,8 +146,11 @@ class Engine:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                session_id: str | None = None, spec: SpecConfig | None = None,
-               chat: bool = False) -> Iterator[Chunk]:
-        """Generate, yielding text as it becomes final; the last chunk carries the result."""
+               chat: bool = False, reference: list[int] | None = None,
+               stop_ids: frozenset[int] = frozenset()) -> Iterator[Chunk]:
+        """Generate, yielding text as it becomes final; the last chunk carries the result.
+        `reference`: the tokens of a text this generation rewrites, for the edit-align drafter.
+        `stop_ids`: tokens that end this generation like an EOS (a FIM format's end-of-middle tokens)."""
         params = params or SamplingParams()
         spec = spec or self.spec
         try:
@@ -123,6 +165,7 @@ class Engine:
             raise CodespecError(
                 f"the prompt is {len(prompt_ids)} tokens but the model's context is {self.context_length}")
         session = self.session(session_id, spec)
+        session.chain.set_reference(reference)  # every generation: one without a reference clears it
         before = [s.copy() for s in session.chain.stats]
         stats = GenerationStats()
         text = TextAssembler(self.tokenizer, params.stop)
@@ -133,7 +176,7 @@ class Engine:
         if adaptive and session.adaptive is None:
             session.adaptive = Adaptive(self.costs)
         steps = generate_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
-                               self.context_length, self.eos_token_ids, stats,
+                               self.context_length, self.eos_token_ids | stop_ids, stats,
                                session.adaptive if adaptive else None)
         finish_reason = "length"
         for step in steps:
@@ -149,10 +192,10 @@ class Engine:
                 delta += text.flush()
                 break
             if delta:
-                yield Chunk(delta, step.tokens)
+                yield Chunk(delta, step.tokens, stats=stats)
         stats.drafters = [now.since(then) for now, then in zip(session.chain.stats, before)]
         result = GenerationResult(text.text, text.tokens, finish_reason, stats)
-        yield Chunk(delta, step.tokens, result)
+        yield Chunk(delta, step.tokens, result, stats)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **options) -> GenerationResult:
         for chunk in self.stream(prompt, params, **options):
@@ -217,3 +260,14 @@ def eos_ids(model, tokenizer) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def session_bytes(session: Session) -> int:
+    """The memory a session holds: its KV cache (the lean path's static cache or transformers' cache) and history."""
+    cache = session.cache
+    tensors = [getattr(cache, "keys", None), getattr(cache, "values", None)]
+    if tensors[0] is None or callable(tensors[0]):  # transformers' DynamicCache keeps keys and values per layer
+        tensors = [t for layer in getattr(cache, "layers", ()) for t in (getattr(layer, "keys", None),
+                                                                          getattr(layer, "values", None))]
+    kv = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
+    return kv + session._tokens.nbytes

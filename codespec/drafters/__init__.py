@@ -7,6 +7,7 @@ from ..errors import CodespecError
 from .base import Draft, Drafter
 from .chain import Chain
 from .draft_model import DraftModel, check_compatible, truncated_copy
+from .edit_align import EditAlign
 from .ngram_cache import NgramCache, StaticCache, load_static_cache
 from .ngram_map import NgramMap, NgramMapK4V
 from .ngram_mod import NgramMod, NgramPool
@@ -68,6 +69,8 @@ def build_drafter(name: str, spec: SpecConfig, shared: SharedDrafting) -> Drafte
         return PromptLookup(spec.ngram_min, spec.ngram_max)
     if name == "ngram-mod":
         return NgramMod(shared.pool(spec))
+    if name == "edit-align":
+        return EditAlign()
     if name == "ngram-map-k":
         return NgramMap(spec.map_n, spec.map_m, spec.map_min_hits)
     if name == "ngram-map-k4v":

@@ -12,6 +12,8 @@ Lifecycle, per session:
                                   drafter's own last draft (0, 0 when the draft came from another one)
   truncate(new_len)               history was cut back to new_len tokens (an edit above the cursor, a
                                   regeneration, a stripped block): forget what only the removed tokens taught
+  set_reference(tokens)           before begin: the tokens of the text this generation rewrites, or None
+                                  (only edit-align uses it)
 
 `history` is a read-only numpy int64 array of the session's tokens, valid only during the call.
 """
@@ -48,4 +50,7 @@ class Drafter:
         pass
 
     def truncate(self, new_len: int) -> None:
+        pass
+
+    def set_reference(self, tokens: list[int] | None) -> None:
         pass

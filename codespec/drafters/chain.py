@@ -69,6 +69,11 @@ class Chain:
             stats.accept_s += time.perf_counter() - started
         self._last = None
 
+    def set_reference(self, tokens: list[int] | None) -> None:
+        """The text the next generation rewrites (None: an ordinary generation)."""
+        for drafter in self.drafters:
+            drafter.set_reference(tokens)
+
     def truncate(self, new_len: int) -> None:
         for drafter, stats in zip(self.drafters, self.stats):
             started = time.perf_counter()

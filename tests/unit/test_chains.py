@@ -28,7 +28,7 @@ def test_greedy_identity_for_every_drafter_and_chain(engine, chain):
         assert result.tokens == plain.tokens, f"seed {seed}"
         accepted += result.stats.accepted_tokens
         assert [d.name for d in result.stats.drafters] == list(build_chain(spec, engine.shared).names)
-    assert accepted > 0 or chain == ("none",)
+    assert accepted > 0 or chain in (("none",), ("edit-align",))  # edit-align drafts only from a reference
 
 
 def test_model_drafters_go_last(engine):

@@ -1,0 +1,5 @@
+"""The HTTP server (`codespec serve`): FastAPI routes over one scheduler that owns the engine."""
+
+from .app import create_app
+
+__all__ = ["create_app"]

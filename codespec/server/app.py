@@ -1,0 +1,288 @@
+"""The HTTP server: llama.cpp-compatible /infill, OpenAI-compatible completions and chat, health, models, metrics,
+slots. Routes stay thin: request bodies are validated by schemas.py, prompts and sessions are generation.py's,
+text limits postprocess.py's, FIM prompts codespec.context.fim's; one scheduler owns the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from .. import __version__
+from ..config import SamplingParams, ServerConfig
+from ..context.fim import SuffixTrimmer, fim_prompt
+from ..engine import session_bytes
+from ..errors import CodespecError
+from ..scheduler import QueueFull, Scheduler
+from .generation import Generations, Plan, Prompt, Run
+from .metrics import Metrics
+from .middleware import ApiKey, JsonByDefault, RequestMetrics, SizeLimit
+from .postprocess import IndentLimit
+from .schemas import (ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, ErrorResponse,
+                      InfillRequest, InfillResponse)
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429)}
+ROUTES = {"/infill", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics", "/slots"}
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", **extra) -> JSONResponse:
+    return JSONResponse({"error": {"code": status, "message": message, "type": kind, **extra}}, status_code=status)
+
+
+def sse(data) -> bytes:
+    return format_sse_event(data_str=data if isinstance(data, str) else json.dumps(data))
+
+
+def event_stream(events) -> EventSourceResponse:
+    return EventSourceResponse(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def select_fields(body: dict, fields: list[str] | None) -> dict:
+    """llama.cpp's response_fields: only these fields, a nested one ('timings/prompt_n') under its path."""
+    if fields is None:
+        return body
+    selected = {}
+    for path in fields:
+        value, found = body, bool(path)
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                found = False
+                break
+            value = value[key]
+        if found:
+            selected[path] = value
+    return selected
+
+
+def create_app(engine, config: ServerConfig | None = None, params: SamplingParams | None = None, spec=None,
+               model_name: str = "codespec") -> FastAPI:
+    config = config or ServerConfig()
+    config.validate()
+    engine.session_memory = config.session_memory
+    scheduler = Scheduler(engine, config.max_queue, config.parallel)
+    metrics = Metrics(scheduler)
+    generations = Generations(scheduler, metrics, config, params or SamplingParams(), spec or engine.spec)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        scheduler.close()
+
+    app = FastAPI(title="codespec", version=__version__, lifespan=lifespan,
+                  description="Lossless self-speculative decoding for coding assistants: llama.cpp-compatible "
+                              "/infill and OpenAI-compatible completions.")
+    app.state.scheduler, app.state.metrics, app.state.engine = scheduler, metrics, engine
+
+    # -- errors: every client mistake is a 4xx JSON body in one shape ------------------------------------------
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(request, exc):
+        return error(429, str(exc), "rate_limit_error")
+
+    @app.exception_handler(CodespecError)
+    async def bad_request(request, exc):
+        return error(400, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        problems = exc.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return error(400, "the body is not valid JSON")
+        where = "; ".join(f"{'.'.join(str(part) for part in p['loc'][1:]) or 'body'}: {p['msg']}" for p in problems)
+        detail = [{key: p[key] for key in ("loc", "msg", "type") if key in p} for p in problems]
+        return error(422, where, detail=json.loads(json.dumps(detail, default=str)))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):
+        return error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "http_error")
+
+    # -- helpers shared by the generation routes -------------------------------------------------------------
+
+    async def finish(request: Request, run: Run) -> Response | None:
+        """Collect a run while watching the client; None when it completed, a 499 when the client left."""
+        collecting = asyncio.ensure_future(generations.collect(run))
+        watching = asyncio.ensure_future(disconnected(request))
+        done, _ = await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        if collecting in done:
+            watching.cancel()
+            collecting.result()  # re-raises the engine's error
+            return None
+        collecting.cancel()  # its cleanup cancels the job: the slot is free at the next step boundary
+        try:
+            await collecting
+        except asyncio.CancelledError:
+            pass
+        return Response(status_code=499)
+
+    def infill_body(run: Run) -> dict:
+        return {"content": run.text, "stop": True, "stop_type": run.stop_type, "stopping_word": run.stopping_word,
+                "tokens_predicted": run.stats.generated_tokens, "tokens_evaluated": len(run.prompt.ids),
+                "tokens_cached": run.cached, "truncated": run.prompt.truncated, "model": model_name,
+                "session": None if run.temporary else run.session_id, "timings": run.timings(),
+                "speculation": run.speculation()}
+
+    def usage(run: Run) -> dict:
+        prompt, completion = len(run.prompt.ids), run.stats.generated_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": run.cached}}
+
+    async def stream_events(run: Run, piece, last, done: bool):
+        """SSE: one event per text piece, then the last one; `data: [DONE]` after it for OpenAI routes."""
+        try:
+            async for delta in generations.deltas(run):
+                yield sse(piece(delta))
+            yield sse(last())
+        except CodespecError as exc:  # the status line is sent already: the error goes in the stream
+            yield sse({"error": {"code": 400, "message": str(exc), "type": "invalid_request_error"}})
+        if done:
+            yield sse("[DONE]")
+
+    # -- routes --------------------------------------------------------------------------------------------
+
+    @app.post("/infill", responses={200: {"model": InfillResponse}, **ERRORS})
+    async def infill(body: InfillRequest, request: Request):
+        """llama.cpp's fill-in-the-middle endpoint (llama.vim's). `n_predict: 0` only warms the session's cache."""
+        warm_only = body.n_predict == 0
+        params, spec = generations.settings(body, body.n_predict if body.n_predict > 0 else None)
+        extra = [(chunk.filename, chunk.text) for chunk in body.input_extra]
+
+        def build(engine) -> Prompt:
+            budget = max(engine.context_length - (0 if warm_only else params.max_tokens) - 1,
+                         engine.context_length // 2)
+            fim = fim_prompt(engine.tokenizer, body.input_prefix + body.prompt, body.input_suffix, extra,
+                             body.filename, max_tokens=budget)
+            limits = []
+            if fim.format is None and body.input_suffix.strip():
+                limits.append(SuffixTrimmer(body.input_suffix))  # no FIM tokens: stop where it meets the suffix
+            if body.n_indent:
+                limits.append(IndentLimit(body.n_indent))
+            return Prompt(fim.ids, fim.truncated, fim.stop_ids, limits)
+
+        run = await generations.start(Plan("/infill", build, params, spec, generations.session_name(body),
+                                           body.cache_prompt, warm_only, body.t_max_predict_ms))
+        if body.stream and not warm_only:
+            return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
+                                              lambda: {**infill_body(run), "content": ""}, done=False))
+        gone = await finish(request, run)
+        return gone or JSONResponse(select_fields(infill_body(run), body.response_fields))
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERRORS})
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI text completion; with `suffix`, fill-in-the-middle."""
+        params, spec = generations.settings(body, body.max_tokens)
+
+        def build(engine) -> Prompt:
+            if body.suffix is None:
+                if not body.prompt:
+                    raise CodespecError("the prompt is empty")
+                return Prompt(engine.encode(body.prompt))  # exactly as `codespec generate` tokenises it
+            fim = fim_prompt(engine.tokenizer, body.prompt, body.suffix)
+            limits = [SuffixTrimmer(body.suffix)] if fim.format is None and body.suffix.strip() else []
+            return Prompt(fim.ids, False, fim.stop_ids, limits)
+
+        run = await generations.start(Plan("/v1/completions", build, params, spec, generations.session_name(body),
+                                           body.cache_prompt))
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text, finish_reason=None, **more):
+            return {"id": ident, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+                    **more}
+
+        def complete(text):
+            return chunk(text, run.finish_reason, usage=usage(run), timings=run.timings(),
+                         speculation=run.speculation())
+
+        if body.stream:
+            return event_stream(stream_events(run, chunk, lambda: complete(""), done=True))
+        return await finish(request, run) or JSONResponse(complete(run.text))
+
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatResponse}, **ERRORS})
+    async def chat(body: ChatRequest, request: Request):
+        """OpenAI chat completion, with the model's chat template."""
+        params, spec = generations.settings(body, body.max_tokens)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+
+        def build(engine) -> Prompt:
+            if not getattr(engine.tokenizer, "chat_template", None):
+                raise CodespecError("this model has no chat template; use /v1/completions")
+            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+            return Prompt(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+
+        run = await generations.start(Plan("/v1/chat/completions", build, params, spec,
+                                           generations.session_name(body), body.cache_prompt))
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        first = [True]
+
+        def chunk(delta, finish_reason=None, **more):
+            content = {"role": "assistant", "content": delta} if first[0] else {"content": delta}
+            first[0] = False
+            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "delta": content, "finish_reason": finish_reason}], **more}
+
+        if body.stream:
+            return event_stream(stream_events(
+                run, chunk, lambda: chunk("", run.finish_reason, usage=usage(run), timings=run.timings(),
+                                          speculation=run.speculation()), done=True))
+        gone = await finish(request, run)
+        return gone or JSONResponse({
+            "id": ident, "object": "chat.completion", "created": created, "model": model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": run.text},
+                         "finish_reason": run.finish_reason}],
+            "usage": usage(run), "timings": run.timings(), "speculation": run.speculation()})
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "codespec",
+            "meta": {"context_length": engine.context_length, "spec": list(generations.spec.spec),
+                     "vocab_size": int(engine.model.config.vocab_size)}}]}
+
+    @app.get("/slots")
+    async def slots():
+        """Every named session: its length, cached tokens, KV-cache bytes, and each drafter's statistics."""
+        def read(engine):
+            busy = scheduler.busy_sessions()
+            return [{"id": name, "busy": name in busy, "tokens": session.length, "cached": session.cached,
+                     "cache_bytes": session_bytes(session), "spec": list(session.spec.spec) if session.spec else [],
+                     "drafters": [stats.to_dict() for stats in session.chain.stats]}
+                    for name, session in engine.sessions.items()]
+        return await scheduler.acall(read)
+
+    @app.get("/metrics")
+    async def prometheus():
+        def read(engine):
+            return len(engine.sessions), sum(session_bytes(s) for s in engine.sessions.values())
+        count, total = await scheduler.acall(read)
+        metrics.sessions.set(count)
+        metrics.session_bytes.set(total)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # the last added runs first: metrics see every answer (401 and 413 too), the key is checked before the body
+    app.add_middleware(JsonByDefault)
+    app.add_middleware(SizeLimit, limit=config.max_request_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKey, key=config.api_key)
+    app.add_middleware(RequestMetrics, metrics=metrics, routes=ROUTES)
+    return app
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

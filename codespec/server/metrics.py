@@ -1,0 +1,56 @@
+"""Prometheus metrics, one registry per app (so several apps in one process, as in tests, do not collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Metrics:
+    def __init__(self, scheduler):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("codespec_requests", "HTTP requests, by route and status code",
+                                ["route", "status"], registry=registry)
+        self.latency = Histogram("codespec_request_seconds", "HTTP request time, to the last byte, by route",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.first_token = Histogram("codespec_time_to_first_token_seconds",
+                                     "time from a generation's arrival to its first token, queue wait included",
+                                     ["route"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue_wait = Histogram("codespec_queue_wait_seconds", "time a generation waited before its first step",
+                                    buckets=LATENCY_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("codespec_prompt_tokens", "prompt tokens received", registry=registry)
+        self.cached_tokens = Counter("codespec_prompt_tokens_cached", "prompt tokens reused from a session's cache",
+                                     registry=registry)
+        self.generated_tokens = Counter("codespec_generated_tokens", "tokens generated", ["route"], registry=registry)
+        self.forwards = Counter("codespec_target_forwards", "forwards of the target model", registry=registry)
+        self.drafted = Counter("codespec_draft_tokens", "draft tokens verified, by drafter", ["drafter"],
+                               registry=registry)
+        self.accepted = Counter("codespec_draft_tokens_accepted", "draft tokens accepted, by drafter", ["drafter"],
+                                registry=registry)
+        self.acceptance = Gauge("codespec_draft_acceptance_ratio", "accepted / drafted tokens so far, by drafter",
+                                ["drafter"], registry=registry)
+        self.cancelled = Counter("codespec_cancelled", "generations cancelled (client gone or a limit hit)",
+                                 registry=registry)
+        queue = Gauge("codespec_queue_depth", "generations waiting to start", registry=registry)
+        queue.set_function(lambda: scheduler.queued)
+        active = Gauge("codespec_active_generations", "generations taking turns on the engine", registry=registry)
+        active.set_function(lambda: scheduler.active)
+        self.sessions = Gauge("codespec_sessions", "named sessions held", registry=registry)
+        self.session_bytes = Gauge("codespec_session_cache_bytes", "KV-cache bytes held by named sessions",
+                                   registry=registry)
+        self._totals: dict[str, list[int]] = {}
+
+    def observe_generation(self, route: str, stats, drafters=()) -> None:
+        """Count one generation's tokens and each drafter's drafted/accepted tokens."""
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.generated_tokens.labels(route).inc(stats.generated_tokens)
+        self.forwards.inc(stats.target_forwards)
+        for drafter in drafters:
+            self.drafted.labels(drafter.name).inc(drafter.gen_tokens)
+            self.accepted.labels(drafter.name).inc(drafter.acc_tokens)
+            totals = self._totals.setdefault(drafter.name, [0, 0])
+            totals[0] += drafter.gen_tokens
+            totals[1] += drafter.acc_tokens
+            self.acceptance.labels(drafter.name).set(totals[1] / totals[0] if totals[0] else 0.0)

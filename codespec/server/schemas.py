@@ -1,0 +1,218 @@
+"""Request and response bodies. Pydantic checks types and ranges, so a client's mistake is a 4xx JSON error
+before anything reaches the engine. Unknown fields are ignored: llama.vim and OpenAI SDKs send fields codespec
+does not use (`samplers`, `t_max_prompt_ms`, `user`, ...), and refusing them would break those clients."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+from ..config import DRAFT_MAX_LIMIT
+
+MAX_STOP = 16  # stop strings per request (llama.cpp and OpenAI take a handful)
+SessionName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class Speculation(Lenient):
+    """codespec's per-request speculation overrides (the server's own settings otherwise)."""
+
+    spec: list[str] | str | None = Field(None, description="drafter chain, e.g. ['ngram-mod', 'prompt-lookup'] or "
+                                                           "'ngram-mod,prompt-lookup'; 'none' turns speculation off")
+    draft_max: int | None = Field(None, ge=1, le=DRAFT_MAX_LIMIT,
+                                  validation_alias=AliasChoices("draft_max", "speculative.n_max"))
+    draft_min: int | None = Field(None, ge=1, le=DRAFT_MAX_LIMIT,
+                                  validation_alias=AliasChoices("draft_min", "speculative.n_min"))
+    session: SessionName | None = Field(None, description="a named session: prefix reuse and drafter state follow it")
+    id_slot: int = Field(-1, ge=-1, le=1 << 20, description="llama.cpp slot id (session 'slot-N'); -1 picks one")
+    cache_prompt: bool = Field(True, description="reuse a session's KV cache; false runs in a fresh session")
+
+    @field_validator("spec")
+    @classmethod
+    def split_spec(cls, value):
+        if isinstance(value, str):
+            value = [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+
+class Sampling(Lenient):
+    temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy (the default)")
+    top_k: int | None = Field(None, ge=0, le=1 << 20)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-1, le=(1 << 63) - 1, description="-1 or absent: unseeded")
+    stop: list[Annotated[str, Field(max_length=256)]] | str | None = Field(None)
+
+    @field_validator("stop")
+    @classmethod
+    def stop_list(cls, value):
+        if isinstance(value, str):
+            value = [value]
+        if value is not None and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        return value
+
+
+class ExtraChunk(Lenient):
+    filename: str = Field("", max_length=1024)
+    text: str = ""
+
+
+class InfillRequest(Sampling, Speculation):
+    """llama.cpp's /infill (what llama.vim sends), plus codespec's speculation overrides."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list, max_length=1024)
+    prompt: str = Field("", description="the text typed before the cursor on its line (after the prefix)")
+    filename: str | None = Field(None, max_length=1024, description="the current file's name, for repo-level FIM")
+    n_predict: int = Field(-1, ge=-1, le=1 << 20, description="-1: the server's default; 0: only warm the cache")
+    stream: bool = False
+    n_indent: int = Field(0, ge=0, le=1 << 16, description="stop at a line indented less than this")
+    t_max_predict_ms: int = Field(0, ge=0, le=1 << 31,
+                                  description="stop after this long since the first token, once a line is done")
+    response_fields: list[str] | None = Field(None, max_length=256,
+                                              description="return only these fields; 'a/b' flattens nested ones")
+
+
+class CompletionRequest(Sampling, Speculation):
+    """OpenAI /v1/completions."""
+
+    model: str | None = None
+    prompt: str | list[str] = Field(..., description="one prompt (a one-element list is accepted)")
+    suffix: str | None = Field(None, description="text after the insertion point: fill-in-the-middle")
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+
+    @field_validator("prompt")
+    @classmethod
+    def one_prompt(cls, value):
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError("send one prompt per request")
+            value = value[0]
+        return value
+
+
+class TextPart(Lenient):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(Lenient):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatRequest(Sampling, Speculation):
+    """OpenAI /v1/chat/completions."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20,
+                                   validation_alias=AliasChoices("max_tokens", "max_completion_tokens"))
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+
+
+# -- responses (documented in the OpenAPI schema; the routes build plain dicts) ---------------------------------
+
+
+class Timings(BaseModel):
+    prompt_n: int  # prompt tokens computed (not reused from the cache)
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
+class SpeculationStats(BaseModel):
+    spec: list[str]
+    target_forwards: int
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    tokens_per_forward: float
+    drafters: list[dict]
+
+
+class InfillResponse(BaseModel):
+    content: str
+    stop: bool
+    stop_type: Literal["eos", "limit", "word", "none"]
+    stopping_word: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    tokens_cached: int
+    truncated: bool
+    session: str | None
+    timings: Timings
+    speculation: SpeculationStats
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    timings: Timings
+    speculation: SpeculationStats
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatChoiceMessage
+    finish_reason: str | None
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+    speculation: SpeculationStats
+
+
+class ErrorDetail(BaseModel):
+    code: int
+    message: str
+    type: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,158 @@
+"""`codespec serve` on the default model, as a user runs it: a subprocess on a loopback port, driven with httpx."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from codespec.config import SamplingParams
+from codespec.context.fim import detect_fim, fim_prompt, trim_to_suffix
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+SUFFIX = "\n\ndef median(values):\n    ordered = sorted(values)\n"
+EXTRA = [("stats/util.py", "def clamp(x, low, high):\n    return max(low, min(x, high))\n")]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sse(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    env = {**os.environ, "CODESPEC_API_KEY": ""}
+    process = subprocess.Popen([sys.executable, "-m", "codespec", "serve", "--port", str(port), "--dtype", "float32"],
+                               stderr=subprocess.PIPE, text=True, env=env)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            if client.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+    yield client
+    client.close()
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def metric(client, name):
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+               if line.startswith((name + "{", name + " ")))
+
+
+def test_the_default_model_has_no_fim_tokens(default_engine):
+    """SmolLM2-135M-Instruct: no <fim_*> tokens (prefix-only completion), but real <repo_name>/<file_sep> ones."""
+    tokenizer = default_engine.tokenizer
+    assert detect_fim(tokenizer) is None and "<fim_prefix>" not in tokenizer.get_vocab()
+    prompt = fim_prompt(tokenizer, PREFIX, SUFFIX, extra=EXTRA, filename="stats/mean.py")
+    assert prompt.format is None and prompt.ids[0] == tokenizer.convert_tokens_to_ids("<repo_name>")
+    assert tokenizer.decode(prompt.ids).endswith("<file_sep>stats/mean.py\n" + PREFIX)
+
+
+def test_completion_gives_the_same_text_as_the_cli(server):
+    prompt = "# Python: reverse a string\ndef reverse(text):\n"
+    cli = subprocess.run([sys.executable, "-m", "codespec", "generate", "--json", "--max-tokens", "32",
+                          "--dtype", "float32", prompt], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    expected = json.loads(cli.stdout)
+    body = server.post("/v1/completions", json={"prompt": prompt, "max_tokens": 32}).json()
+    assert body["choices"][0]["text"] == expected["text"]
+    assert body["usage"]["completion_tokens"] == len(expected["tokens"])
+    with server.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 32, "stream": True}) as r:
+        events = sse(r)
+    assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == expected["text"]
+
+
+def test_infill_is_the_engines_prefix_completion_cut_at_the_suffix(server, default_engine):
+    request = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": [
+        {"filename": name, "text": text} for name, text in EXTRA], "filename": "stats/mean.py", "n_predict": 48}
+    ids = fim_prompt(default_engine.tokenizer, PREFIX, SUFFIX, EXTRA, "stats/mean.py").ids
+    plain = default_engine.generate(ids, SamplingParams(max_tokens=48)).text
+    body = server.post("/infill", json=request).json()
+    assert body["content"] == trim_to_suffix(plain, SUFFIX)
+    assert body["speculation"]["spec"] == ["ngram-mod", "prompt-lookup"]
+    with server.stream("POST", "/infill", json=request | {"stream": True}) as r:
+        events = sse(r)
+    assert "".join(e["content"] for e in events) == body["content"] and events[-1]["stop"]
+
+
+def test_warm_session_reuses_the_cache(server):
+    warm = server.post("/infill", json={"input_prefix": PREFIX, "n_predict": 0, "session": "editor"}).json()
+    body = server.post("/infill", json={"input_prefix": PREFIX, "prompt": "    return", "n_predict": 8,
+                                        "session": "editor"}).json()
+    assert warm["tokens_evaluated"] > 10 and body["tokens_cached"] >= warm["tokens_evaluated"] - 2
+    assert body["timings"]["prompt_n"] <= body["tokens_evaluated"] - body["tokens_cached"]
+
+
+def test_chat_streams_and_ends_with_done(server):
+    request = {"messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+               "max_tokens": 24, "stream": True}
+    with server.stream("POST", "/v1/chat/completions", json=request) as r:
+        events = sse(r)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] > 0
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]).strip()
+
+
+def test_sixteen_concurrent_clients_match_sequential_greedy(server, default_engine):
+    prompts = [f"# {topic}\ndef {name}(" for topic, name in [
+        ("sum a list", "total"), ("reverse a list", "backwards"), ("count words", "words"), ("is prime", "prime"),
+        ("fibonacci", "fib"), ("factorial", "fact"), ("read a file", "read"), ("parse json", "parse")] * 2]
+    expected = [default_engine.generate(p, SamplingParams(max_tokens=12)).text for p in prompts]
+
+    def ask(index):
+        request = {"prompt": prompts[index], "max_tokens": 12}
+        if index % 2:
+            return server.post("/v1/completions", json=request).json()["choices"][0]["text"]
+        with server.stream("POST", "/v1/completions", json=request | {"stream": True}) as r:
+            return "".join(e["choices"][0]["text"] for e in sse(r)[:-1])
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(ask, range(16))) == expected
+
+
+def test_a_long_generation_does_not_block_a_short_one_and_a_disconnect_frees_it(server):
+    long = {"prompt": "# A long module of Python utilities\n", "max_tokens": 2000, "stream": True, "session": "long"}
+    with server.stream("POST", "/v1/completions", json=long) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        short = server.post("/infill", json={"input_prefix": "x = 1\ny = ", "n_predict": 4, "session": "short"})
+        assert short.status_code == 200 and short.json()["tokens_predicted"] >= 1
+        slots = {s["id"]: s for s in server.get("/slots").json()}
+        assert slots["long"]["busy"], "the short request waited for the long one to finish"
+    deadline = time.monotonic() + 60
+    while {s["id"]: s for s in server.get("/slots").json()}["long"]["busy"]:
+        assert time.monotonic() < deadline, "the disconnected generation kept running"
+        time.sleep(0.1)
+    assert metric(server, "codespec_cancelled_total") >= 1
+    assert {s["id"]: s for s in server.get("/slots").json()}["long"]["tokens"] < 2000
+
+
+def test_bad_input_never_takes_it_down(server):
+    assert server.post("/v1/completions", json={"prompt": "word " * 9000}).status_code == 400  # over the context
+    assert server.post("/infill", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    assert server.post("/infill", json={"input_prefix": "x", "spec": "nope"}).status_code == 400
+    assert server.get("/health").json() == {"status": "ok"}

@@ -1,0 +1,129 @@
+"""The edit-aligned drafter: follows the output through the reference, re-synchronises after insertions,
+deletions and substitutions, and never changes greedy output."""
+
+import numpy as np
+import pytest
+
+from codespec.config import SamplingParams, SpecConfig
+from codespec.drafters import build_chain
+from codespec.drafters.edit_align import EditAlign
+from tests.conftest import random_prompt
+from tests.helpers import array
+
+PROMPT = [7, 8, 9]
+REFERENCE = list(range(100, 140))  # 40 distinct tokens: every n-gram occurs once
+
+
+def started(reference=REFERENCE, prompt=PROMPT):
+    drafter = EditAlign()
+    drafter.set_reference(reference)
+    drafter.begin(array(prompt), SamplingParams())
+    return drafter
+
+
+def emit(drafter, history, tokens, drafted=0, accepted=0):
+    """Append tokens to the history as a decode step would, and tell the drafter."""
+    history = history + list(tokens)
+    drafter.accept(array(history), drafted, accepted)
+    return history
+
+
+def proposal(drafter, history, max_tokens=8):
+    draft = drafter.draft(array(history), max_tokens)
+    return draft.tokens if draft else None
+
+
+def test_drafts_the_reference_from_the_start_and_follows_the_output():
+    drafter = started()
+    assert proposal(drafter, PROMPT) == REFERENCE[:8]
+    history = emit(drafter, PROMPT, REFERENCE[:6], drafted=8, accepted=5)
+    assert proposal(drafter, history, 4) == REFERENCE[6:10]
+
+
+def test_resynchronises_after_an_insertion():
+    drafter = started()
+    history = emit(drafter, PROMPT, REFERENCE[:10] + [1, 2, 3])  # the rewrite inserts three new tokens
+    assert proposal(drafter, history) is None  # lost: the inserted text is not in the reference
+    history = emit(drafter, history, REFERENCE[10:12])  # back on the original text
+    assert proposal(drafter, history) == REFERENCE[12:20]
+
+
+def test_resynchronises_after_a_deletion():
+    drafter = started()
+    history = emit(drafter, PROMPT, REFERENCE[:10] + REFERENCE[15:17])  # five tokens dropped
+    assert proposal(drafter, history) == REFERENCE[17:25]
+
+
+def test_a_single_substituted_token_is_skipped_near_the_pointer():
+    drafter = started()
+    history = emit(drafter, PROMPT, REFERENCE[:10] + [1])  # token 10 renamed
+    assert proposal(drafter, history) is None
+    history = emit(drafter, history, REFERENCE[11:12])  # one token back on the original: enough near the pointer
+    assert proposal(drafter, history) == REFERENCE[12:20]
+
+
+def test_prefers_the_occurrence_after_the_last_aligned_point():
+    motif = [50, 51, 52]
+    reference = motif + list(range(200, 210)) + motif + list(range(300, 310))
+    drafter = started(reference)
+    history = emit(drafter, PROMPT, reference[:14] + [1, 2] + motif)  # past the first motif, then an insertion
+    assert proposal(drafter, history) == list(range(300, 308))  # the second motif, not the first
+
+
+def test_without_a_reference_it_drafts_nothing():
+    drafter = started(reference=None)
+    assert proposal(drafter, PROMPT) is None
+    drafter.set_reference([1, 2, 3])
+    drafter.set_reference(None)
+    drafter.begin(array(PROMPT), SamplingParams())
+    assert proposal(drafter, PROMPT) is None
+
+
+def test_truncation_re_finds_the_place():
+    drafter = started()
+    history = emit(drafter, PROMPT, REFERENCE[:12])
+    history = history[: len(PROMPT) + 6]  # the session cut back six output tokens
+    drafter.truncate(len(history))
+    assert proposal(drafter, history, 4) == REFERENCE[6:10]
+    drafter.truncate(1)  # even the prompt was cut: the output starts over
+    assert proposal(drafter, [7], 4) == REFERENCE[:4]
+
+
+def test_registered_and_chainable():
+    chain = build_chain(SpecConfig(spec=("edit-align", "ngram-mod", "prompt-lookup")))
+    assert chain.names == ("edit-align", "ngram-mod", "prompt-lookup")
+
+
+def edited(tokens: list[int], rng) -> list[int]:
+    """A copy with a few insertions, deletions and substitutions, like a small rewrite."""
+    out = list(tokens)
+    for _ in range(3):
+        at = int(rng.integers(0, max(len(out) - 1, 1)))
+        kind = rng.integers(0, 3)
+        if kind == 0:
+            out[at:at] = rng.integers(1, 384, size=3).tolist()
+        elif kind == 1:
+            del out[at : at + 2]
+        else:
+            out[at] = int(rng.integers(1, 384))
+    return out
+
+
+@pytest.mark.parametrize("chain", [("edit-align",), ("edit-align", "ngram-mod", "prompt-lookup")])
+def test_greedy_output_is_identical_with_and_without_the_drafter(engine, chain):
+    params = SamplingParams(max_tokens=64)
+    accepted = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        prompt = random_prompt(rng, int(rng.integers(10, 60)), repetitive=bool(seed % 2))
+        plain = engine.generate(prompt, params, spec=SpecConfig(spec=("none",))).tokens
+        for reference in (edited(plain, rng), rng.integers(1, 384, size=40).tolist()):
+            result = engine.generate(prompt, params, spec=SpecConfig(spec=chain, draft_max=8),
+                                     session_id=f"edit-{seed}", reference=reference)
+            assert result.tokens == plain, f"seed {seed}"
+            accepted += next(d.acc_tokens for d in result.stats.drafters if d.name == "edit-align")
+        # the same session again without a reference: edit-align must not draft the old one
+        again = engine.generate(prompt, params, spec=SpecConfig(spec=chain, draft_max=8), session_id=f"edit-{seed}")
+        assert again.tokens == plain
+        assert next(d.gen_tokens for d in again.stats.drafters if d.name == "edit-align") == 0
+    assert accepted > 100  # the near-copies were really drafted from the reference
