@@ -118,12 +118,7 @@ class Engine:
         request that extends it only feeds the new tokens. A generator: it first yields the prompt tokens reused
         from the session's cache, then the tokens cached after each forward of at most chunk_tokens (0: one
         forward), so a scheduler can run other requests between the chunks of a long prompt."""
-        prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise CodespecError("the prompt is empty")
-        if len(prompt_ids) >= self.context_length:
-            raise CodespecError(
-                f"the prompt is {len(prompt_ids)} tokens but the model's context is {self.context_length}")
+        prompt_ids = self.prompt_ids(prompt, chat)
         session = self.session(session_id, spec or self.spec)
         yield session.prepare(prompt_ids)  # a prompt that diverges from the history truncates the drafters here
         pending = session.pending[:-1]  # the last token stays pending: the generation feeds it for its logits
@@ -131,6 +126,16 @@ class Engine:
         for start in range(0, len(pending), step):
             self.path(session.cache, pending[start : start + step], 1)
             yield session.cached
+
+    def prompt_ids(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """The prompt's tokens, checked to be non-empty and to leave room in the context for one more."""
+        prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise CodespecError("the prompt is empty")
+        if len(prompt_ids) >= self.context_length:
+            raise CodespecError(
+                f"the prompt is {len(prompt_ids)} tokens but the model's context is {self.context_length}")
+        return prompt_ids
 
     def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
         if not text:
@@ -158,12 +163,7 @@ class Engine:
             spec.validate()
         except ValueError as exc:
             raise CodespecError(str(exc)) from None
-        prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise CodespecError("the prompt is empty")
-        if len(prompt_ids) >= self.context_length:
-            raise CodespecError(
-                f"the prompt is {len(prompt_ids)} tokens but the model's context is {self.context_length}")
+        prompt_ids = self.prompt_ids(prompt, chat)
         session = self.session(session_id, spec)
         session.chain.set_reference(reference)  # every generation: one without a reference clears it
         before = [s.copy() for s in session.chain.stats]
