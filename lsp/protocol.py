@@ -63,6 +63,10 @@ class Stats:
     tokens_per_second: float
     tokens_per_forward: float
     acceptance: float  # accepted draft tokens / drafted tokens, 0 when nothing was drafted
+    prompt_tokens: int = 0  # tokens in the prompt
+    cached_tokens: int = 0  # of those, tokens the session's KV cache already held (not prefilled again)
+    seconds: float = 0.0  # generation time, prefill included
+    prefill_seconds: float = 0.0  # time to the first token
 
 
 @dataclass
@@ -76,6 +80,13 @@ class Settings:
     max_tokens: int = 128  # longest inline completion
     command_max_tokens: int = 1024  # longest refactoring output
     debounce_ms: int = 150  # wait this long after the last keystroke before completing
+    # drafter chain for refactoring commands: the edit-aligned drafter first (long drafts over the unchanged
+    # parts of the selection), then the shared pool and the prompt
+    command_spec: list[str] = field(default_factory=lambda: ["edit-align", "ngram-mod", "prompt-lookup"])
+    prefix_tokens: int = 1024  # the current file before the cursor, at most (prefill costs ~1 ms a token on a CPU)
+    suffix_tokens: int = 256  # the current file after the cursor, at most
+    extra_tokens: int = 512  # chunks of other open and recently edited files, at most
+    max_file_chars: int = 1_000_000  # larger documents get no completions and feed no context
 
 
 def _json_type(python_type) -> str:

@@ -1,0 +1,225 @@
+"""Refactoring commands: code actions on a selection -> workspace/executeCommand -> workspace/applyEdit.
+
+The model gets the selection in a chat prompt with the task, and its answer is primed with an opening code
+fence, so the output is the new code and ends at the closing fence. The original selection's tokens go to the
+engine as the reference of the edit-aligned drafter: most of a rewrite repeats the selection, and those runs
+are drafted in long pieces. Progress (tokens/s, acceptance) goes to the client with window/workDoneProgress,
+which the user can cancel, as can $/cancelRequest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from lsprotocol import types
+from pygls.exceptions import JsonRpcContentModified, JsonRpcException, JsonRpcInvalidParams
+
+from codespec.config import SamplingParams
+from codespec.context import treesitter
+from codespec.errors import CodespecError
+
+from .protocol import ADD_DOCSTRINGS, ADD_TYPE_HINTS, COMMANDS, COMMANDS_BY_ID, REWRITE_SELECTION, TRANSLATE_COMMENTS
+from .completion import REQUEST_FAILED
+from .settings import spec_config
+
+SYSTEM = "You are a careful programmer. Answer with the complete code only, no explanation."
+TASKS = {
+    REWRITE_SELECTION.id: "Rewrite this code: {instruction}",
+    ADD_DOCSTRINGS.id: "Add a docstring to every function and class in this code. Change nothing else.",
+    ADD_TYPE_HINTS.id: "Add type hints to every function signature in this code. Change nothing else.",
+    TRANSLATE_COMMENTS.id: "Translate the comments and docstrings in this code into {language}. Change nothing else.",
+}
+REPORT_SECONDS = 0.25  # progress reports at most this often
+FENCE = "```"
+
+
+def code_actions(server, params: types.CodeActionParams) -> list[types.CodeAction]:
+    """One code action per command when the selection is not empty."""
+    document = server.document(params.text_document.uri)
+    start = server.offset(document, params.range.start.line, params.range.start.character)
+    end = server.offset(document, params.range.end.line, params.range.end.character)
+    only = params.context.only if params.context is not None else None
+    if end <= start or (only and not any(types.CodeActionKind.RefactorRewrite.value.startswith(kind)
+                                         for kind in only)):
+        return []
+    selection = {"uri": params.text_document.uri, "range": server.converter.unstructure(params.range)}
+    return [types.CodeAction(title=command.title, kind=types.CodeActionKind.RefactorRewrite,
+                             command=types.Command(title=command.title, command=command.id, arguments=[selection]))
+            for command in COMMANDS]
+
+
+def parse_arguments(command, arguments) -> dict:
+    """The command's single object argument, checked against its declared fields."""
+    if not arguments or len(arguments) != 1 or not isinstance(arguments[0], dict):
+        names = ", ".join(argument.name for argument in command.arguments)
+        raise JsonRpcInvalidParams(f"{command.id} takes one object argument with the fields {names}")
+    given = arguments[0]
+    values = {}
+    for argument in command.arguments:
+        value = given.get(argument.name)
+        if argument.name == "range":
+            values["range"] = parse_range(value)
+        elif not isinstance(value, str) or not value.strip():
+            raise JsonRpcInvalidParams(f"{command.id}: {argument.name!r} must be a non-empty string ({argument.doc})")
+        else:
+            values[argument.name] = value
+    return values
+
+
+def parse_range(value) -> tuple[int, int, int, int]:
+    try:
+        start, end = value["start"], value["end"]
+        numbers = (start["line"], start["character"], end["line"], end["character"])
+    except (TypeError, KeyError):
+        raise JsonRpcInvalidParams("'range' must be an LSP Range: {start: {line, character}, end: {...}}") from None
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+        raise JsonRpcInvalidParams("'range' positions must be integers")
+    return numbers
+
+
+def build_prompt(engine, command_id: str, values: dict, selection: str, language: str) -> tuple[list[int], list[int]]:
+    """On the engine's thread: (prompt ids primed with an opening fence, the selection's tokens)."""
+    task = TASKS[command_id].format(**values)
+    user = f"{task}\n\n{FENCE}{language}\n{selection.rstrip()}\n{FENCE}"
+    ids = engine.encode(user, chat=True, system=SYSTEM) + encode(engine, f"{FENCE}{language}\n")
+    return ids, encode(engine, selection)
+
+
+def encode(engine, text: str) -> list[int]:
+    return list(engine.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def fit_to_selection(output: str, selection: str) -> str:
+    """The replacement text: the model's code, with the selection's own trailing line break (or none)."""
+    body = output.rstrip("\r\n")
+    trailing = selection[len(selection.rstrip("\r\n")):]
+    return body + trailing
+
+
+def progress_message(stats) -> str:
+    if stats is None:
+        return "prefilling"
+    return (f"{stats.generated_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
+            f"{stats.tokens_per_forward:.2f} tok/forward, acceptance {stats.acceptance_rate:.0%}")
+
+
+class Progress:
+    """window/workDoneProgress for one command, when the client supports it; cancellable."""
+
+    def __init__(self, server, title: str):
+        self.server, self.title = server, title
+        self.token: str | None = None
+        self.last_report = 0.0
+
+    async def begin(self, on_cancel) -> None:
+        window = self.server.client_capabilities.window
+        if window is None or not window.work_done_progress:
+            return
+        token = f"codespec-{uuid.uuid4()}"
+        await self.server.work_done_progress.create_async(token)
+        self.token = token
+        self.server.work_done_progress.begin(token, types.WorkDoneProgressBegin(
+            title=self.title, cancellable=True, message="prefilling"))
+        # the client's window/workDoneProgress/cancel cancels this future (pygls)
+        self.server.work_done_progress.tokens[token].add_done_callback(
+            lambda future: on_cancel() if future.cancelled() else None)
+
+    def report(self, stats) -> None:
+        now = time.monotonic()
+        if self.token is None or now - self.last_report < REPORT_SECONDS:
+            return
+        self.last_report = now
+        self.server.work_done_progress.report(self.token, types.WorkDoneProgressReport(
+            message=progress_message(stats), cancellable=True))
+
+    def end(self, message: str) -> None:
+        if self.token is None:
+            return
+        self.server.work_done_progress.end(self.token, types.WorkDoneProgressEnd(message=message))
+        future = self.server.work_done_progress.tokens.pop(self.token, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+        self.token = None
+
+
+async def execute(server, command_id: str, arguments) -> dict:
+    """Run a refactoring command and send its edit. Returns {"applied": bool, "cancelled": bool, "stats": ...}."""
+    command = COMMANDS_BY_ID[command_id]
+    values = parse_arguments(command, arguments)
+    document = server.document(values["uri"])
+    start_line, start_character, end_line, end_character = values["range"]
+    start = server.offset(document, start_line, start_character)
+    end = server.offset(document, end_line, end_character)
+    if end <= start:
+        raise JsonRpcInvalidParams(f"{command.id} needs a selection; the range is empty")
+    if len(document.text) > server.settings.max_file_chars:
+        raise JsonRpcInvalidParams(f"the document is larger than max_file_chars ({server.settings.max_file_chars})")
+    selection, version = document.text[start:end], document.version
+    language = treesitter.language_id_for(document.language_id, document.uri) or ""
+    scheduler = await server.ready()
+    ids, reference = await scheduler.acall(build_prompt, command.id, values, selection, language)
+    room = server.context_length() - len(ids) - 1
+    if room < 1:
+        raise JsonRpcInvalidParams("the selection is too long for the model's context")
+    settings = server.settings
+    params = SamplingParams(max_tokens=min(settings.command_max_tokens, room), stop=(FENCE,))
+    try:
+        job = scheduler.submit(ids, params, session_id=f"lsp-command:{document.uri}",
+                               spec=spec_config(settings, command=True), reference=reference)
+    except CodespecError as exc:  # e.g. the queue is full
+        raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
+    cancelled = False
+
+    def cancel() -> None:
+        nonlocal cancelled
+        cancelled = True
+        job.cancel()
+
+    progress = Progress(server, command.title)
+    text, stats = "", None
+    try:
+        await progress.begin(cancel)
+        async for chunk in job:
+            text += chunk.text
+            stats = chunk.stats or stats
+            progress.report(stats)
+    except asyncio.CancelledError:  # $/cancelRequest
+        job.cancel()
+        progress.end("cancelled")
+        raise
+    except CodespecError as exc:
+        progress.end(f"failed: {exc}")
+        raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
+    finally:
+        job.cancel()
+    if cancelled or job.result is None:
+        progress.end("cancelled")
+        return {"applied": False, "cancelled": True, "stats": None}
+    server.send_stats(command.id, stats)
+    if document.version != version or server.documents.open.get(document.uri) is not document:
+        progress.end("the document changed; nothing applied")
+        raise JsonRpcContentModified("the document changed while the command ran; run it again")
+    if not text.strip():  # an empty answer would delete the selection
+        progress.end("the model wrote nothing; nothing applied")
+        return {"applied": False, "cancelled": False, "stats": server.stats_params(command.id, stats)}
+    new_text = fit_to_selection(text, selection)
+    edit_range = types.Range(start=types.Position(line=start_line, character=start_character),
+                             end=types.Position(line=end_line, character=end_character))
+    result = await server.workspace_apply_edit_async(types.ApplyWorkspaceEditParams(
+        edit=workspace_edit(server, document, edit_range, new_text, version), label=command.title))
+    progress.end(progress_message(stats))
+    return {"applied": bool(result.applied), "cancelled": False, "stats": server.stats_params(command.id, stats)}
+
+
+def workspace_edit(server, document, edit_range: types.Range, new_text: str, version: int) -> types.WorkspaceEdit:
+    """A versioned edit when the client takes one (it then refuses an edit to a changed document)."""
+    text_edit = types.TextEdit(range=edit_range, new_text=new_text)
+    workspace = server.client_capabilities.workspace
+    edits = workspace.workspace_edit if workspace is not None else None
+    if edits is not None and edits.document_changes:
+        identifier = types.OptionalVersionedTextDocumentIdentifier(uri=document.uri, version=version)
+        return types.WorkspaceEdit(document_changes=[types.TextDocumentEdit(text_document=identifier,
+                                                                            edits=[text_edit])])
+    return types.WorkspaceEdit(changes={document.uri: [text_edit]})
