@@ -24,13 +24,16 @@ from .protocol import ADD_DOCSTRINGS, ADD_TYPE_HINTS, COMMANDS, COMMANDS_BY_ID, 
 from .completion import REQUEST_FAILED
 from .settings import spec_config
 
-SYSTEM = "You are a careful programmer. Answer with the complete code only, no explanation."
+# The request names the change after the code's language and asks for the complete code back, and the
+# model's own system prompt stays: with SmolLM2-135M, a custom system prompt or the instruction after the
+# code made it loop on the docstring instead of copying the function (measured on stdlib functions).
 TASKS = {
-    REWRITE_SELECTION.id: "Rewrite this code: {instruction}",
-    ADD_DOCSTRINGS.id: "Add a docstring to every function and class in this code. Change nothing else.",
-    ADD_TYPE_HINTS.id: "Add type hints to every function signature in this code. Change nothing else.",
-    TRANSLATE_COMMENTS.id: "Translate the comments and docstrings in this code into {language}. Change nothing else.",
+    REWRITE_SELECTION.id: "following this instruction: {instruction}",
+    ADD_DOCSTRINGS.id: "adding a docstring to every function and class",
+    ADD_TYPE_HINTS.id: "adding type hints to every function signature",
+    TRANSLATE_COMMENTS.id: "translating every comment and docstring into {language}",
 }
+LANGUAGE_NAMES = {"javascript": "JavaScript", "typescript": "TypeScript", "cpp": "C++", "csharp": "C#"}
 REPORT_SECONDS = 0.25  # progress reports at most this often
 FENCE = "```"
 
@@ -82,8 +85,10 @@ def parse_range(value) -> tuple[int, int, int, int]:
 def build_prompt(engine, command_id: str, values: dict, selection: str, language: str) -> tuple[list[int], list[int]]:
     """On the engine's thread: (prompt ids primed with an opening fence, the selection's tokens)."""
     task = TASKS[command_id].format(**values)
-    user = f"{task}\n\n{FENCE}{language}\n{selection.rstrip()}\n{FENCE}"
-    ids = engine.encode(user, chat=True, system=SYSTEM) + encode(engine, f"{FENCE}{language}\n")
+    name = LANGUAGE_NAMES.get(language, language.capitalize()) if language else "this"
+    user = f"Rewrite this {name} code, {task}. Reply with the complete code only.\n\n" \
+           f"{FENCE}{language}\n{selection.rstrip()}\n{FENCE}"
+    ids = engine.encode(user, chat=True) + encode(engine, f"{FENCE}{language}\n")
     return ids, encode(engine, selection)
 
 

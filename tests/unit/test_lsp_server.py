@@ -24,7 +24,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 # the transformers forward: the lean path's TorchScript warm-up costs more than a tiny model's whole test
 SERVER = [sys.executable, "-m", "codespec", "lsp", "--forward", "transformers"]
 SOURCE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    \n"
-DEFAULTS = {"max_tokens": 12, "command_max_tokens": 400, "debounce_ms": 0, "max_file_chars": 20_000}
+DEFAULTS = {"max_tokens": 12, "command_max_tokens": 150, "debounce_ms": 0, "max_file_chars": 20_000}
 
 
 def fix_code_action_parsing(client: LanguageClient) -> None:
