@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -31,3 +32,13 @@ def live_server(app):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def sse_events(response) -> list:
+    """The data of each server-sent event, JSON-decoded except the final [DONE]."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -13,6 +13,7 @@ import pytest
 
 from codespec.config import SamplingParams
 from codespec.context.fim import detect_fim, fim_prompt, trim_to_suffix
+from tests.serving import sse_events
 
 pytestmark = pytest.mark.integration
 
@@ -25,15 +26,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def sse(response) -> list:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +75,7 @@ def test_completion_gives_the_same_text_as_the_cli(server):
     assert body["choices"][0]["text"] == expected["text"]
     assert body["usage"]["completion_tokens"] == len(expected["tokens"])
     with server.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 32, "stream": True}) as r:
-        events = sse(r)
+        events = sse_events(r)
     assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == expected["text"]
 
 
@@ -96,7 +88,7 @@ def test_infill_is_the_engines_prefix_completion_cut_at_the_suffix(server, defau
     assert body["content"] == trim_to_suffix(plain, SUFFIX)
     assert body["speculation"]["spec"] == ["ngram-mod", "prompt-lookup"]
     with server.stream("POST", "/infill", json=request | {"stream": True}) as r:
-        events = sse(r)
+        events = sse_events(r)
     assert "".join(e["content"] for e in events) == body["content"] and events[-1]["stop"]
 
 
@@ -112,7 +104,7 @@ def test_chat_streams_and_ends_with_done(server):
     request = {"messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
                "max_tokens": 24, "stream": True}
     with server.stream("POST", "/v1/chat/completions", json=request) as r:
-        events = sse(r)
+        events = sse_events(r)
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] > 0
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]).strip()
 
@@ -128,7 +120,7 @@ def test_sixteen_concurrent_clients_match_sequential_greedy(server, default_engi
         if index % 2:
             return server.post("/v1/completions", json=request).json()["choices"][0]["text"]
         with server.stream("POST", "/v1/completions", json=request | {"stream": True}) as r:
-            return "".join(e["choices"][0]["text"] for e in sse(r)[:-1])
+            return "".join(e["choices"][0]["text"] for e in sse_events(r)[:-1])
 
     with ThreadPoolExecutor(16) as pool:
         assert list(pool.map(ask, range(16))) == expected

@@ -1,6 +1,5 @@
 """The HTTP server on the tiny model: a real uvicorn on a loopback port, driven with httpx."""
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,7 @@ from openapi_spec_validator import validate
 from codespec.config import SamplingParams, ServerConfig
 from codespec.server import create_app
 from tests.conftest import random_prompt
-from tests.serving import live_server
+from tests.serving import live_server, sse_events
 
 PREFIX = "def total(values):\n    result = 0\n    for value in values:\n        "
 SUFFIX = "\n    return result\n"
@@ -25,16 +24,6 @@ def server(engine):
     with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as client:
         client.app = app
         yield client
-
-
-def sse_events(response) -> list:
-    """The data of each server-sent event, JSON-decoded except the final [DONE]."""
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def gate_worker(app):
