@@ -37,11 +37,11 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     started = time.perf_counter()
     draft = session.chain.draft(history, min(draft_max, budget - 1, room - 1), limit)
     proposal = draft.tokens if draft else []
-    if adaptive is not None and proposal:
-        adaptive.observe_draft(session.chain.last, len(proposal), time.perf_counter() - started)
+    drafter = session.chain.last  # whose draft it is (None: no draft)
     verify = len(proposal)
     if adaptive is not None and proposal:
-        verify = adaptive.length(session.chain.last, len(proposal), len(pending))
+        adaptive.observe_draft(drafter, len(proposal), time.perf_counter() - started)
+        verify = adaptive.length(drafter, len(proposal), len(pending))
     drafted = proposal[:verify]  # [k]
     probs = draft.probs[:verify] if drafted and draft.probs is not None else None
 
@@ -53,7 +53,7 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     if adaptive is not None:
         adaptive.costs.observe(len(pending) + len(drafted), forward_seconds)
         if proposal:
-            adaptive.observe(session.chain.last, proposal, verify, accepted, next_token)
+            adaptive.observe(drafter, proposal, verify, accepted, next_token)
 
     # accept the agreeing prefix plus the target's own token; never emit past an EOS or the budget
     new_tokens = drafted[:accepted] + [next_token]

@@ -76,10 +76,8 @@ class Job:
                     self._cond.wait()
                 item = self._items[index]
             index += 1
-            if item is _END:
+            if _ended(item):
                 return
-            if isinstance(item, BaseException):
-                raise item
             yield item
 
     async def __aiter__(self) -> AsyncIterator:
@@ -97,10 +95,8 @@ class Job:
                     continue
                 for item in available:
                     index += 1
-                    if item is _END:
+                    if _ended(item):
                         return
-                    if isinstance(item, BaseException):
-                        raise item
                     yield item
         finally:
             with self._cond:
@@ -116,6 +112,13 @@ class Job:
         async for _ in self:
             pass
         return self.result
+
+
+def _ended(item) -> bool:
+    """Whether a job's stream ends at this item; an engine error is raised where the stream is read."""
+    if isinstance(item, BaseException):
+        raise item
+    return item is _END
 
 
 class Scheduler:
