@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .drafters import Chain
+from .drafters.base import common_prefix
 
 
 class Session:
@@ -40,10 +41,7 @@ class Session:
 
     def prepare(self, prompt: list[int]) -> int:
         """Make the history equal to `prompt`, reusing the common prefix; return the prompt tokens reused."""
-        shared = min(self.length, len(prompt))
-        prompt_array = np.asarray(prompt, dtype=np.int64)
-        mismatch = np.flatnonzero(self._tokens[:shared] != prompt_array[:shared])
-        common = int(mismatch[0]) if mismatch.size else shared
+        common = common_prefix(self.history, prompt)
         if common < self.length:
             self.truncate(common)  # the history was rewritten: tell the drafters
         self.append(prompt[common:])

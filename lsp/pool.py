@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from codespec.drafters import NgramMod
+from codespec.drafters.base import common_prefix
 
 
 class PoolFeed:
@@ -31,10 +32,7 @@ class PoolFeed:
                 if view is not None:
                     view.truncate(0)
                 view, taught = NgramMod(pool), tokens[:0]
-            shared = min(len(taught), len(tokens))
-            mismatch = np.flatnonzero(taught[:shared] != tokens[:shared])
-            common = int(mismatch[0]) if mismatch.size else shared
-            view.truncate(common)
+            view.truncate(common_prefix(taught, tokens))
             view.begin(tokens, None)  # learns the tokens after what it already holds
             self.views[uri] = (view, tokens, version)
 

@@ -37,6 +37,14 @@ class Draft:
     probs: torch.Tensor | None = None
 
 
+def common_prefix(a, b) -> int:
+    """How many leading tokens two token sequences share: what a cache or a drafter keeps of a history
+    that was rewritten."""
+    shared = min(len(a), len(b))
+    mismatch = np.flatnonzero(np.asarray(a[:shared], dtype=np.int64) != np.asarray(b[:shared], dtype=np.int64))
+    return int(mismatch[0]) if mismatch.size else shared
+
+
 class Drafter:
     name: ClassVar[str] = "drafter"
 

@@ -33,7 +33,7 @@ from ..config import SamplingParams
 from ..errors import CodespecError
 from ..forward import forward_path
 from ..sampling import warp
-from .base import Draft, Drafter
+from .base import Draft, Drafter, common_prefix
 
 # The sampler seeds its generator with params.seed itself. The draft's stream must be a different one:
 # drawing a draft token and its acceptance test from the same random numbers would correlate them.
@@ -97,21 +97,16 @@ class DraftModel(Drafter):
 
     @torch.no_grad()
     def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
-        self._crop(self._common_prefix(history))  # rejected draft tokens leave the cache now
+        self._crop(common_prefix(self.tokens, history))  # rejected draft tokens leave the cache now
 
     @torch.no_grad()
     def truncate(self, new_len: int) -> None:
         self._crop(new_len)
 
-    def _common_prefix(self, history: np.ndarray) -> int:
-        shared = min(len(self.tokens), len(history))
-        mismatch = np.flatnonzero(np.asarray(self.tokens[:shared], dtype=np.int64) != history[:shared])
-        return int(mismatch[0]) if mismatch.size else shared
-
     def _sync(self, history: np.ndarray) -> torch.Tensor:
         """Make the cache cover history; return the logits for the next position."""
         # the last history token is always fed (again, if it was cached) because only a forward gives logits
-        keep = min(self._common_prefix(history), len(history) - 1)
+        keep = min(common_prefix(self.tokens, history), len(history) - 1)
         self._crop(keep)
         return self._feed(history[keep:].tolist())
 
