@@ -6,7 +6,7 @@ Nothing above the engine touches tensors; nothing below it knows about HTTP or L
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .adaptive import Adaptive, CostModel, cached_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
@@ -17,6 +17,8 @@ from .forward import forward_path
 from .sampling import Sampler
 from .session import Session
 from .stats import GenerationStats
+
+PLAIN = ("none",)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Engine:
     def __post_init__(self):
         self.spec.validate()
         self.path = forward_path(self.model, lean=self.forward == "lean")  # the target forward, all sessions
+        check_forward(self.path, self.model)
         self._costs = None
         if self.shared is None:
             self.shared = SharedDrafting(self.model, self.tokenizer)
@@ -85,6 +88,10 @@ class Engine:
     def session(self, session_id: str | None = None, spec: SpecConfig | None = None) -> Session:
         """The named session (created on first use); None gives a fresh, unnamed one."""
         spec = spec or self.spec
+        if not self.path.rewindable and spec.spec != PLAIN:
+            # the cache cannot take back a rejected draft (recurrent layers, see forward.TransformersCache):
+            # each one would cost a whole prefill, so this model decodes plainly, which is never slower
+            spec = replace(spec, spec=PLAIN)
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is None:
             session = Session(self.path, build_chain(spec, self.shared), session_id)
@@ -249,6 +256,21 @@ class TextAssembler:
 
     def flush(self) -> str:
         return self.take(len(self.text))
+
+
+def check_forward(path, model) -> None:
+    """Two tokens through the forward with a cache, a rollback and one more: a model transformers loads but
+    that cannot run this way fails here with one line naming its architecture, not in the first request."""
+    try:
+        cache = path.new_cache()
+        path(cache, [1, 2], 1)
+        cache.crop(1)
+        path(cache, [2], 1)
+    except Exception as exc:  # anything the model's own code raises
+        names = ", ".join(getattr(model.config, "architectures", None) or [type(model).__name__])
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise CodespecError(f"unsupported architecture: {model.config.model_type!r} ({names}) does not run with "
+                            f"a key-value cache: {reason}") from None
 
 
 def eos_ids(model, tokenizer) -> set[int]:

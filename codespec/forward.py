@@ -24,6 +24,7 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 
 class Linear:
@@ -77,6 +78,7 @@ class LeanLlama:
     """A lean forward for Llama-architecture models, sharing (not copying) the transformers weights."""
 
     INITIAL_CAPACITY = 1024
+    rewindable = True  # crop() only moves the length
 
     @torch.no_grad()
     def __init__(self, model):
@@ -188,8 +190,9 @@ def run_layers(x: torch.Tensor, keys_all: torch.Tensor, values_all: torch.Tensor
         else:
             qkv = F.linear(h, qkv_w)  # [q, (heads + 2 kv_heads) dim]
         qk = qkv[:, : (heads + kv_heads) * dim].reshape(count, heads + kv_heads, dim // 2, 2)
-        if qk.dtype == torch.bfloat16:  # no bf16 complex numbers: rotate in float32
-            qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rotary).to(torch.bfloat16).flatten(2)
+        if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:  # no complex bf16, and complex32 has few
+            # kernels: rotate in float32 (as transformers does) and come back to the model's dtype
+            qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rotary).to(qkv.dtype).flatten(2)
         else:
             qk = torch.view_as_real(torch.view_as_complex(qk) * rotary).flatten(2)  # [q, heads + kv_heads, dim]
         keys, values = keys_all[index], values_all[index]  # [kv_heads, capacity, dim]
@@ -238,26 +241,48 @@ def compiled_layers():
 
 
 class TransformersCache(DynamicCache):
-    """transformers' own cache, with the two members the decode loop uses."""
+    """transformers' own cache, built so that `crop(n)` keeps its promise for every n.
+
+    transformers gives sliding-window (and chunked) attention layers a cache that keeps only the window, which
+    cannot be rolled back once full: the first rejected draft past the window would raise. Here those layers
+    keep their whole history like any other attention layer; the model's attention mask still limits each one
+    to its window, so the logits are the same. The price is memory: the full context on those layers too.
+
+    Layers with recurrent state (linear attention, convolutions) cannot be rolled back at all. For such a model
+    `rewindable` is False and a crop below the length empties the cache, so the session computes its history
+    again: still correct, but every rejected draft would cost a whole prefill, so the engine does not speculate
+    on such a model (Engine.session)."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.config = config
+        self.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                       for layer in self.layers]
+        self.rewindable = all(type(layer) in (DynamicLayer, DummyLayer) for layer in self.layers)
 
     @property
     def length(self) -> int:
         return self.get_seq_length()
 
     def crop(self, new_len: int) -> None:
-        if new_len < self.length:
+        if new_len >= self.length:
+            return
+        if self.rewindable:
             super().crop(new_len - self.length)  # transformers 5: a negative count removes that many
+        else:  # state that cannot be taken back: start again (the session re-feeds history[:new_len])
+            self.layers = TransformersCache(self.config).layers
 
 
 class TransformersForward:
-    """The model's own forward; any architecture transformers runs."""
+    """The model's own forward; any architecture transformers runs as a causal LM with a cache."""
 
     def __init__(self, model):
         self.model = model
         self.config = model.config
+        self.rewindable = self.new_cache().rewindable
 
     def new_cache(self) -> TransformersCache:
-        return TransformersCache(config=self.model.config)
+        return TransformersCache(self.model.config)
 
     @torch.no_grad()
     def __call__(self, cache: TransformersCache, input_ids: list[int], logits_to_keep: int) -> torch.Tensor:

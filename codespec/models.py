@@ -198,10 +198,35 @@ def load(config: ModelConfig, show_progress: bool = True):
             ) from None
         raise CodespecError(f"cannot load model {config.model!r}: {first_line(exc)}") from None
     except ValueError as exc:
-        raise CodespecError(f"cannot load model {config.model!r}: {first_line(exc)}") from None
+        raise CodespecError(unsupported_architecture(location) or
+                            f"cannot load model {config.model!r}: {first_line(exc)}") from None
     model.to(device).eval()
     torch.set_grad_enabled(False)
     return model, tokenizer
+
+
+def unsupported_architecture(location: str) -> str | None:
+    """Why transformers cannot give a causal LM for the checkpoint in `location`, naming its architecture;
+    None when the architecture is not the problem (or there is no config to read)."""
+    import json
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = json.loads((Path(location) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type")
+    name = ", ".join(config.get("architectures") or []) or "no architectures entry"
+    if model_type not in CONFIG_MAPPING:
+        return (f"unsupported architecture: model type {model_type!r} ({name}) is unknown to transformers "
+                f"{transformers.__version__}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return (f"unsupported architecture: model type {model_type!r} ({name}) is not a causal language model; "
+                "codespec runs models that transformers loads with AutoModelForCausalLM")
+    return None
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

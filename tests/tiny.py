@@ -46,6 +46,37 @@ def tiny_model(seed: int = 0, context: int = 512, dtype=torch.float64, vocab: in
     return model.to(dtype).eval()
 
 
+ARCHITECTURES = ("llama", "qwen2", "gemma3", "lfm2")
+SLIDING_WINDOW = 16  # Gemma 3's local layers see this many tokens: less than every test prompt
+
+
+def tiny_arch_model(kind: str, dtype=torch.float64, seed: int = 0, context: int = 512):
+    """A tiny random model of another architecture, shaped like tiny_model: Qwen2 (attention biases),
+    Gemma 3 (sliding-window and global layers, its own norms and embedding scale) or LFM2 (short
+    convolutions: recurrent state a cache cannot roll back)."""
+    import transformers
+
+    if kind == "llama":
+        return tiny_model(seed, context, dtype)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=context, initializer_range=0.1, eos_token_id=EOS,
+                  bos_token_id=None, pad_token_id=EOS, tie_word_embeddings=False)
+    if kind == "qwen2":
+        config = transformers.Qwen2Config(**common)
+    elif kind == "gemma3":
+        config = transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=SLIDING_WINDOW,
+                                               layer_types=["sliding_attention", "full_attention"])
+    elif kind == "lfm2":
+        config = transformers.Lfm2Config(**common, layer_types=["conv", "full_attention"])
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(3.0)
+    return model.to(dtype).eval()
+
+
 def save_tiny(directory: Path, context: int = 512, vocab: int = VOCAB) -> Path:
     """A transformers directory, as `--model DIR` expects."""
     tiny_model(context=context, dtype=torch.float32, vocab=vocab).save_pretrained(directory)
