@@ -141,12 +141,15 @@ def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_c
 class Adaptive:
     """One session's acceptance evidence per drafter, and the device's costs."""
 
-    PROBE = 16  # a model drafter judged not to pay still drafts one token every PROBE steps, to notice a change
+    PROBE = 16  # a model drafter judged not to pay still drafts one token after PROBE skipped steps, to notice a
+    PROBE_MAX = 256  # change; each probe that misses doubles the wait, up to PROBE_MAX, so probing costs next to nothing
     LEARN = 0.2  # weight of each new draft in a drafter's per-token drafting time
 
     costs: CostModel
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     draft_seconds: dict[str, float] = field(default_factory=dict)  # per drafted token, model drafters only
+    probe_wait: dict[str, int] = field(default_factory=dict)  # skipped steps before a model drafter's next probe
+    probe_countdown: dict[str, int] = field(default_factory=dict)
 
     def length(self, drafter: str, available: int, pending: int) -> int:
         """How many of a drafted proposal's tokens to verify (the drafting is paid for by then)."""
@@ -156,14 +159,20 @@ class Adaptive:
         """limit(name, available) for Chain.draft: how many tokens a model drafter should draft at all, its
         own time per token counted. N-gram drafters cost next to nothing and always draft in full."""
         def limit(drafter: str, available: int) -> int:
-            seconds = self.draft_seconds.get(drafter)
-            if seconds is None:  # not a model drafter, or not timed yet
+            if drafter not in MODEL_DRAFTERS:
                 return available
+            seconds = self.draft_seconds.get(drafter)
+            if seconds is None:  # not timed yet: one token measures what drafting costs before drafting more
+                return min(available, 1)
             evidence = self.of(drafter)
             tokens = choose(self.costs, evidence.alpha, available, pending, seconds)
             if tokens == 0:
                 evidence.skipped += 1
-                tokens = 1 if evidence.skipped % self.PROBE == 0 else 0
+                countdown = self.probe_countdown.get(drafter, self.PROBE) - 1
+                if countdown <= 0:  # probe once, then wait twice as long for the next one
+                    wait = self.probe_wait[drafter] = min(2 * self.probe_wait.get(drafter, self.PROBE), self.PROBE_MAX)
+                    countdown, tokens = wait, 1
+                self.probe_countdown[drafter] = countdown
             return tokens
         return limit
 
@@ -188,3 +197,5 @@ class Adaptive:
             evidence.observe(accepted, missed=accepted < verified)
         if verified == 0:
             evidence.skipped += 1
+        if accepted > 0:  # a model drafter that was right is probed at the short interval again
+            self.probe_wait.pop(drafter, None)

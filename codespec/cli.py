@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="one workload per class, 3 turns, 48 tokens, 4 configurations, once (< 3 min on 2 cores)")
     bench.add_argument("--per-class", type=bounded_int(1, 5), default=2, help="workloads per class")
-    bench.add_argument("--classes", default="edit,completion,multi-turn,free-form",
+    bench.add_argument("--classes", default="edit,completion,multi-turn,free-form,prose",
                        help="comma-separated workload classes to run")
     bench.add_argument("--configs", help="comma-separated configurations to run (default: all; plain and "
                                          "'transformers prompt lookup' always run, as the baselines)")
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--forward-costs", action="store_true",
                        help="only time one forward over k = 1..64 tokens per forward path, next to the machine's "
                             "floor, with a profile (a full run includes this)")
+    bench.add_argument("--no-forward-costs", action="store_true",
+                       help="leave the forward-cost table out of a full run (saves about two minutes)")
     bench.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     return parser
 
@@ -151,7 +153,7 @@ def run_bench(args) -> int:
         if unknown:
             raise CodespecError(f"unknown bench config {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
     if not workloads:
-        raise CodespecError(f"no workload in classes {args.classes!r}; use edit, completion, multi-turn, free-form")
+        raise CodespecError(f"no workload in classes {args.classes!r}; use edit, completion, multi-turn, free-form, prose")
     engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype", "forward")
                                         if getattr(args, name) is not None}))
     configs = [c for c in runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max),
@@ -168,7 +170,7 @@ def run_bench(args) -> int:
                                                          indent=2))
         return 0
     forward = None
-    if args.forward_costs or not quick:
+    if args.forward_costs or not (quick or args.no_forward_costs):
         from .bench.forward_costs import forward_costs, format_forward_costs, outside_forward_share
 
         with tqdm(total=4, desc="forward costs", unit="step") as progress:

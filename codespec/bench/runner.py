@@ -17,7 +17,8 @@ PLAIN = "plain"
 HF_LOOKUP = "transformers prompt lookup"
 DEFAULT_CHAIN = "codespec default"
 FIXED_CHAIN = "default fixed-length"
-DRAFT_QUARTER = "draft (first quarter of layers)"  # the target's first layers as its own draft model  # the default chain with adaptive speculation off
+DRAFT_QUARTER = "draft (first quarter of layers)"  # the target's first layers as its own draft model
+NEVER_SLOWER = 0.97  # a codespec config whose paired speed ratio falls below this on a workload is reported
 
 
 @dataclass
@@ -167,6 +168,10 @@ def report(rows: list[Row], settings: dict) -> dict:
                 "tokens_per_forward": round(len(first.tokens) / first.forwards, 3) if first.forwards else None,
                 "acceptance": round(first.accepted / first.drafted, 3) if first.drafted else None,
                 "speedup_vs_plain": round(plain.seconds / row.seconds, 3),
+                # the median over rounds of plain's time over this config's in the same round: runs next to each
+                # other share the machine's state, so slow drift and a busy neighbour cancel out
+                "paired_speedup_vs_plain": round(statistics.median(
+                    p.seconds / r.seconds for p, r in zip(plain.runs, row.runs)), 3),
                 "speedup_vs_transformers_prompt_lookup": round(hf_lookup.seconds / row.seconds, 3),
                 "decode_speedup_vs_plain": round(plain.decode_seconds / row.decode_seconds, 3),
                 "decode_speedup_vs_transformers_prompt_lookup": round(hf_lookup.decode_seconds / row.decode_seconds, 3),
@@ -181,13 +186,17 @@ def report(rows: list[Row], settings: dict) -> dict:
         classes.setdefault((r["kind"], r["config"]), []).append(r)
     summary = [{"kind": kind, "config": config,
                 **{f"median_{key}": round(statistics.median(r[key] for r in members), 3)
-                   for key in ("speedup_vs_plain", "decode_speedup_vs_plain", "decode_tokens_per_second",
-                               "speedup_vs_transformers_prompt_lookup")},
+                   for key in ("speedup_vs_plain", "paired_speedup_vs_plain", "decode_speedup_vs_plain",
+                               "decode_tokens_per_second", "speedup_vs_transformers_prompt_lookup")},
+                "worst_paired_speedup_vs_plain": min(r["paired_speedup_vs_plain"] for r in members),
+                "identical_share": round(sum(r["identical_to_plain"] for r in members) / len(members), 3),
                 "all_identical_to_plain": all(r["identical_to_plain"] for r in members)}
                for (kind, config), members in classes.items()]
+    slower = [f"{s['kind']}/{s['config']} {s['worst_paired_speedup_vs_plain']:.2f}x" for s in summary
+              if s["config"] != HF_LOOKUP and s["worst_paired_speedup_vs_plain"] < NEVER_SLOWER]
     machine = {"device": str(settings["device"]), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "machine": platform.machine()}
-    return {**settings, **machine, "results": results, "by_class": summary}
+    return {**settings, **machine, "results": results, "by_class": summary, "slower_than_plain": slower}
 
 
 def format_table(data: dict) -> str:
@@ -202,12 +211,16 @@ def format_table(data: dict) -> str:
                      f"{r['decode_tokens_per_second']:7.1f} {tpf:>7} {acc:>6} {r['speedup_vs_plain']:7.2f}x "
                      f"{r['decode_speedup_vs_plain']:11.2f}x {r['speedup_vs_transformers_prompt_lookup']:8.2f}x "
                      f"{'yes' if r['identical_to_plain'] else 'NO'}")
-    lines += ["", f"{'class':12} {'config':27} {'vs plain':>8} {'dec vs plain':>12} {'dec t/s':>7} {'vs hf-pld':>9}",
-              "-" * 82]
+    lines += ["", f"{'class':12} {'config':32} {'vs plain':>8} {'paired':>7} {'worst':>6} {'dec vs plain':>12} "
+                  f"{'dec t/s':>7} {'vs hf-pld':>9} {'same':>5}", "-" * 108]
     for s in data["by_class"]:
-        lines.append(f"{s['kind']:12} {s['config']:27} {s['median_speedup_vs_plain']:7.2f}x "
+        lines.append(f"{s['kind']:12} {s['config']:32} {s['median_speedup_vs_plain']:7.2f}x "
+                     f"{s['median_paired_speedup_vs_plain']:6.2f}x {s['worst_paired_speedup_vs_plain']:5.2f}x "
                      f"{s['median_decode_speedup_vs_plain']:11.2f}x {s['median_decode_tokens_per_second']:7.1f} "
-                     f"{s['median_speedup_vs_transformers_prompt_lookup']:8.2f}x")
+                     f"{s['median_speedup_vs_transformers_prompt_lookup']:8.2f}x {s['identical_share']:5.0%}")
+    slower = data.get("slower_than_plain") or []
+    lines += ["", f"slower than {NEVER_SLOWER}x of plain (paired, worst workload): "
+                  f"{', '.join(slower) if slower else 'none'}"]
     return "\n".join(lines)
 
 

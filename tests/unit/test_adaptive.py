@@ -156,14 +156,18 @@ def test_drafting_cost_shortens_a_model_drafters_draft_and_can_switch_it_off():
 
     adaptive = Adaptive(costs)
     limit = adaptive.draft_limit(pending=1)
-    assert limit("draft", 16) == 16  # not timed yet: the first draft measures it
+    assert limit("draft", 16) == 1  # not timed yet: a one-token draft measures what drafting costs
     adaptive.observe_draft("prompt-lookup", 16, 10.0)  # n-gram drafters are never capped
     assert limit("prompt-lookup", 16) == 16
     adaptive.observe_draft("draft", 4, 4 * 0.5)
     for _ in range(20):
         adaptive.of("draft").observe(0, missed=True)
-    lengths = [limit("draft", 16) for _ in range(2 * Adaptive.PROBE)]
-    assert lengths.count(1) == 2 and set(lengths) == {0, 1}  # off, but probing now and then
+    lengths = [limit("draft", 16) for _ in range(1000)]
+    # off, but probing now and then, each miss doubling the wait: after 16, 32, 64, 128 and then every 256 steps
+    probes = [index + 1 for index, length in enumerate(lengths) if length == 1]
+    assert set(lengths) == {0, 1} and probes == [16, 48, 112, 240, 496, 752]
+    adaptive.observe("draft", [3], verified=1, accepted=1, next_token=4)  # a probe that hits
+    assert adaptive.probe_wait == {}  # the short interval again
 
 
 def test_chain_skips_a_drafter_its_limit_rules_out():
@@ -180,3 +184,42 @@ def test_chain_skips_a_drafter_its_limit_rules_out():
     assert chain.draft(history, 8, lambda name, n: 0 if name == "draft" else n).tokens == [4, 5, 6]
     assert chain.last == "prompt-lookup"
     assert chain.draft(history, 8, lambda name, n: 2).tokens == [1, 2]
+
+
+def test_a_drafter_that_never_matches_is_switched_off_within_a_few_steps(model):
+    """With this machine's shape of costs (one more token verified: ~10% more time), a drafter whose every
+    token is wrong has its drafts verified at most for the first few steps, then never again: the held-back
+    drafts are still checked against the target's own token for free, and they keep missing."""
+    prompt = list(range(10, 30))
+    plain, _, _ = run(model, prompt, NoDrafter(), None, max_tokens=120)
+    wrong = FixedContinuation(len(prompt), [(t + 1) % 300 + 1 for t in plain])
+    adaptive = Adaptive(fixed_costs(0.1))
+    session = Session(forward_path(model), Chain([wrong]))
+    steps = list(generate_steps(session, prompt, Sampler(SamplingParams()), 16, 120, 512, frozenset({EOS}),
+                                GenerationStats(), adaptive))
+    verified_at = [index for index, step in enumerate(steps) if step.drafted > 0]
+    assert [t for step in steps for t in step.tokens] == plain
+    assert len(steps) == 120 and verified_at and max(verified_at) < 6, verified_at
+    assert sum(step.drafted for step in steps) <= 12  # the whole cost of finding out: about a dozen tokens
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_output_does_not_depend_on_the_draft_lengths_timing_picks(engine, monkeypatch, seed):
+    """Adaptive lengths follow the machine's timing, which varies run to run; greedy output must not. Here the
+    lengths are random at every step (as the most erratic timing could make them) and compared with plain."""
+    import codespec.adaptive
+
+    rng = np.random.default_rng(seed)
+    prompt = list(rng.integers(1, 300, 20)) * 3
+    plain = engine.generate(prompt, SamplingParams(max_tokens=60), spec=SpecConfig(spec=("none",)))
+    lengths = []
+
+    def erratic(costs, alpha, available, pending, draft_cost=0.0):
+        lengths.append(int(rng.integers(0, available + 1)))
+        return lengths[-1]
+
+    monkeypatch.setattr(codespec.adaptive, "choose", erratic)
+    for chain in (("prompt-lookup",), ("ngram-mod", "prompt-lookup"), ("ngram-map-k",)):
+        result = engine.generate(prompt, SamplingParams(max_tokens=60), spec=SpecConfig(spec=chain, ngram_min=1))
+        assert result.tokens == plain.tokens, chain
+    assert len(set(lengths)) > 3  # many different lengths were really verified

@@ -12,7 +12,7 @@ from tests.tiny import EOS, tiny_model
 def test_quick_bench_on_the_tiny_model(tokenizer, tmp_path):
     engine = Engine(tiny_model(context=8192), tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}))
     workloads = all_workloads(1)
-    assert {w.kind for w in workloads} == {"edit", "completion", "multi-turn", "free-form"}
+    assert {w.kind for w in workloads} == {"edit", "completion", "multi-turn", "free-form", "prose"}
     configs = runner.build_configs(quick=False, draft_max=8, default_spec=SpecConfig(draft_max=8), layers=2)
     assert {runner.DEFAULT_CHAIN, runner.FIXED_CHAIN, runner.DRAFT_QUARTER} <= {c.name for c in configs}
     rows = runner.run_bench(engine, workloads, configs, repeats=2, max_tokens=8, turns=3)
@@ -22,13 +22,15 @@ def test_quick_bench_on_the_tiny_model(tokenizer, tmp_path):
     assert len(data["results"]) == len(workloads) * len(configs)
     multi = [r for r in data["results"] if r["kind"] == "multi-turn" and r["config"] == runner.PLAIN][0]
     assert multi["tokens"] > 8  # three turns' worth of tokens
-    assert {s["kind"] for s in data["by_class"]} == {"edit", "completion", "multi-turn", "free-form"}
+    assert {s["kind"] for s in data["by_class"]} == {"edit", "completion", "multi-turn", "free-form", "prose"}
     (tmp_path / "bench.json").write_text(json.dumps(data))
     runner.plot(data, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "codespec default" in runner.format_table(data)
     row = data["results"][0]
     assert row["decode_tokens_per_second"] > 0 and row["decode_speedup_vs_plain"] > 0
+    assert all(s["identical_share"] == 1 and s["worst_paired_speedup_vs_plain"] > 0 for s in data["by_class"])
+    assert isinstance(data["slower_than_plain"], list) and "slower than 0.97x of plain" in runner.format_table(data)
 
 
 def test_forward_costs_table_on_the_tiny_model():
