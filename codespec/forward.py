@@ -10,7 +10,8 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   eager and SDPA paths copy the whole cache per layer to repeat the KV heads), and, on CPUs, weights
   pre-packed for oneDNN, whose small-batch GEMM is 2-4x faster here than the default BLAS for the 2-64
   token verify forwards.
-- `TransformersForward` runs anything else through the model's own forward with a `DynamicCache`.
+- `TransformersForward` runs anything else through the model's own forward with transformers' cache,
+  built so that a rollback works on every layer type (`TransformersCache`).
 
 `forward_path(model)` picks the lean path when the model fits it.
 """

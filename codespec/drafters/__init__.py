@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..config import MODEL_DRAFTERS, ModelConfig, SpecConfig
 from ..errors import CodespecError
+from ..forward import forward_path
 from .base import Draft, Drafter
 from .chain import Chain
 from .draft_model import DraftModel, check_compatible, truncated_copy
@@ -18,13 +19,14 @@ from .prompt_lookup import PromptLookup
 class SharedDrafting:
     """What every session of one engine shares, each built once on first use: the ngram-mod pool (one
     per pool setting, so a request that asks for another n or size gets its own), static n-gram caches,
-    and draft models."""
+    and draft models with their forward paths."""
 
     def __init__(self, target=None, tokenizer=None):
         self.target, self.tokenizer = target, tokenizer
         self.pools: dict[tuple, NgramPool] = {}
         self.static_caches: dict[str, StaticCache] = {}
         self.draft_models: dict[tuple, object] = {}
+        self.draft_paths: dict[tuple, object] = {}
 
     def pool(self, spec: SpecConfig) -> NgramPool:
         key = (spec.mod_pool_size, spec.mod_n, spec.mod_reset_occupancy, spec.mod_reset_low_rounds,
@@ -61,6 +63,13 @@ class SharedDrafting:
                 self.draft_models[key] = model
         return self.draft_models[key]
 
+    def draft_path(self, spec: SpecConfig):
+        """The draft model's forward, built once: the lean path packs its weights, which takes a while."""
+        key = (spec.draft_model, spec.draft_layers)
+        if key not in self.draft_paths:
+            self.draft_paths[key] = forward_path(self.draft_model(spec))
+        return self.draft_paths[key]
+
 
 def build_drafter(name: str, spec: SpecConfig, shared: SharedDrafting) -> Drafter:
     if name == "none":
@@ -79,7 +88,8 @@ def build_drafter(name: str, spec: SpecConfig, shared: SharedDrafting) -> Drafte
         return NgramCache(static=shared.static_cache(spec.ngram_cache), n_max=spec.cache_n_max)
     if name == "draft":
         target_vocab = shared.target.config.vocab_size if shared.target is not None else None
-        return DraftModel(shared.draft_model(spec), spec.draft_p_min, target_vocab_size=target_vocab)
+        return DraftModel(shared.draft_model(spec), spec.draft_p_min, target_vocab_size=target_vocab,
+                          path=shared.draft_path(spec))
     raise ValueError(f"unknown drafter {name!r}")
 
 

@@ -43,15 +43,16 @@ DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 class DraftModel(Drafter):
     name = "draft"
 
-    def __init__(self, model, p_min: float = 0.0, target_vocab_size: int | None = None):
+    def __init__(self, model, p_min: float = 0.0, target_vocab_size: int | None = None, path=None):
         """model: a transformers causal LM, loaded and on its device. target_vocab_size: the width of the
         target's logits when it differs from the draft model's (same tokenizer, differently padded
-        embeddings, as across Qwen2.5 sizes); draft logits are then cut or padded with -inf to match."""
+        embeddings, as across Qwen2.5 sizes); draft logits are then cut or padded with -inf to match.
+        path: the model's forward (forward.py), shared by every session's drafter; built here when not given."""
         self.model = model
         self.p_min = p_min
         self.target_vocab_size = target_vocab_size
         self.context = getattr(model.config, "max_position_embeddings", None)
-        self.path = forward_path(model)
+        self.path = path or forward_path(model)
         self.cache = self.path.new_cache()
         self.tokens: list[int] = []  # the token ids self.cache covers, in order
         self.params = SamplingParams()
