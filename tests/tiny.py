@@ -29,16 +29,20 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def tiny_config(vocab: int, context: int) -> dict:
+    """The shape every tiny test model shares, whatever its architecture."""
+    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=context, initializer_range=0.1, eos_token_id=EOS,
+                bos_token_id=None, pad_token_id=EOS, tie_word_embeddings=False)
+
+
 def tiny_model(seed: int = 0, context: int = 512, dtype=torch.float64, vocab: int = VOCAB) -> LlamaForCausalLM:
     """float64 so that batched verification and one-token decoding round identically: a random
     model's logits have near-ties that float32 noise could flip, which would test numerics, not logic.
     Embeddings three times larger than the rest make the next token depend mostly on the current one, so
     greedy decoding walks a random function over tokens and falls into cycles with detours: prompt-lookup
     drafts are then both accepted and rejected (about 30% accepted on repetitive prompts)."""
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                         initializer_range=0.1, eos_token_id=EOS, bos_token_id=None, pad_token_id=EOS,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(**tiny_config(vocab, context))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -58,9 +62,7 @@ def tiny_arch_model(kind: str, dtype=torch.float64, seed: int = 0, context: int 
 
     if kind == "llama":
         return tiny_model(seed, context, dtype)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=context, initializer_range=0.1, eos_token_id=EOS,
-                  bos_token_id=None, pad_token_id=EOS, tie_word_embeddings=False)
+    common = tiny_config(VOCAB, context)
     if kind == "qwen2":
         config = transformers.Qwen2Config(**common)
     elif kind == "gemma3":
