@@ -16,11 +16,13 @@ import json
 import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .config import MODEL_DRAFTERS, codespec_home
+from .errors import CodespecError
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per forward that are timed; others are interpolated
 
@@ -31,8 +33,8 @@ class CostModel:
 
     LEARN = 0.1  # weight of each observed forward in its size's running estimate
 
-    def __init__(self, sizes: tuple[int, ...], seconds: tuple[float, ...]):
-        self.sizes, self.seconds = tuple(sizes), tuple(seconds)
+    def __init__(self, sizes: tuple[int, ...], seconds: tuple[float, ...], pinned: bool = False):
+        self.sizes, self.seconds, self.pinned = tuple(sizes), tuple(seconds), pinned
         # never cheaper for more tokens: a noisy small size takes the cheapest larger size's time
         monotone = np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[::-1])[::-1]
         self.table = np.interp(np.arange(sizes[-1] + 1), sizes, monotone)  # [n] -> seconds, n = 0..last
@@ -46,7 +48,7 @@ class CostModel:
         return float(self.table[last] + slope * (tokens - last))
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if 1 <= tokens < len(self.table):
+        if 1 <= tokens < len(self.table) and not self.pinned:
             self.table[tokens] += self.LEARN * (seconds - self.table[tokens])
 
     def relative(self, tokens: int) -> float:
@@ -76,6 +78,18 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
             cache.crop(context)
         fastest.append(min(timings[1:]))
     return CostModel(tuple(sizes), tuple(fastest))
+
+
+def pinned_costs(file: str) -> CostModel:
+    """$CODESPEC_COSTS: a cost table in the shape `to_dict` writes ({"tokens": [...], "ms": [...]}), used
+    as it is, never measured nor learnt, so that adaptive choices repeat on a noisy machine."""
+    try:
+        data = json.loads(Path(file).read_text())
+        return CostModel(tuple(int(n) for n in data["tokens"]), tuple(float(ms) / 1e3 for ms in data["ms"]),
+                         pinned=True)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CodespecError(f"CODESPEC_COSTS={file}: not a cost table like {{\"tokens\": [1, 2], \"ms\": [10, 11]}}"
+                         f" ({error})") from None
 
 
 def cached_costs(path, model, vocab_size: int) -> CostModel:

@@ -5,10 +5,11 @@ Nothing above the engine touches tensors; nothing below it knows about HTTP or L
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from .adaptive import Adaptive, CostModel, cached_costs
+from .adaptive import Adaptive, CostModel, cached_costs, pinned_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import generate_steps
 from .drafters import SharedDrafting, build_chain
@@ -58,7 +59,8 @@ class Engine:
         self.spec.validate()
         self.path = forward_path(self.model, lean=self.forward == "lean")  # the target forward, all sessions
         check_forward(self.path, self.model)
-        self._costs = None
+        pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
+        self._costs = pinned_costs(pinned) if pinned else None
         if self.shared is None:
             self.shared = SharedDrafting(self.model, self.tokenizer)
         if not self.eos_token_ids:

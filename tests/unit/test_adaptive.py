@@ -1,5 +1,7 @@
 """Adaptive speculation: measured costs x per-drafter acceptance pick the draft length, output unchanged."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,25 @@ def test_observed_forwards_pull_their_size_toward_what_they_took():
     assert costs.cost(2) == pytest.approx(3.0, rel=0.02)
     costs.observe(500, 9.0)  # a prefill: past the table, ignored
     assert costs.cost(4) == 1.0
+
+
+def test_a_pinned_cost_table_is_used_as_it_is_and_a_bad_one_stops_the_start(engine, tmp_path, monkeypatch, capsys,
+                                                                            tiny_dir):
+    from codespec.cli import main
+    from codespec.engine import Engine
+
+    table = tmp_path / "costs.json"
+    table.write_text(json.dumps(CostModel((1, 2, 4), (0.010, 0.011, 0.013)).to_dict()))
+    monkeypatch.setenv("CODESPEC_COSTS", str(table))
+    pinned = Engine(engine.model, engine.tokenizer, engine.spec, eos_token_ids=engine.eos_token_ids).costs
+    assert pinned.cost(2) == pytest.approx(0.011)
+    pinned.observe(2, 5.0)  # pinned: real forwards do not move it
+    assert pinned.cost(2) == pytest.approx(0.011)
+
+    table.write_text('{"tokens": [1, 2]}')
+    assert main(["generate", "--model", str(tiny_dir), "x"]) == 1
+    err = capsys.readouterr().err
+    assert "CODESPEC_COSTS" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 @pytest.mark.parametrize("alpha, per_token, expected", [
