@@ -102,8 +102,12 @@ def cached_costs(path, model, vocab_size: int) -> CostModel:
     file = codespec_home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     try:
         data = json.loads(file.read_text())
-        return CostModel(tuple(data["sizes"]), tuple(data["seconds"]))
-    except (OSError, ValueError, KeyError):
+        sizes, seconds = list(data["sizes"]), list(data["seconds"])
+        # a file cut short by a kill, written by another version or edited by hand is measured again
+        if sizes == list(SIZES) and len(seconds) == len(SIZES) and all(
+                type(s) in (int, float) and 0 < s < float("inf") for s in seconds):
+            return CostModel(SIZES, tuple(float(s) for s in seconds))
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     costs = measure_costs(path, vocab_size)
     try:

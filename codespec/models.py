@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from .config import DEFAULT_MODEL, ModelConfig, codespec_home
@@ -84,34 +87,133 @@ def convert_gguf(gguf: Path, target: Path, progress=None) -> Path:
     fresh.tie_weights()
     fresh.generation_config = loaded.generation_config
     step()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".pull-", dir=target.parent))
-    try:
-        fresh.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    save_checkpoint(fresh, tokenizer, target)
     step()
     return target
 
 
+STAGING_PREFIX = ".pull-"  # a conversion writes into models/.pull-XXXX, then renames it into place
+
+
+def save_checkpoint(model, tokenizer, target: Path) -> None:
+    """Write model and tokenizer into a staging folder beside `target`, then rename it into place, so that
+    `target` is either the old folder or the whole new one. Whatever fails, the staging folder goes."""
+    staging = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target.parent))
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.chmod(0o755)  # mkdtemp's folders are private; a model cache is not
+        if target.exists():  # a damaged copy: moved aside in one rename, so a crash never leaves half of it
+            os.replace(target, staging.with_name(staging.name + "-old"))
+        os.replace(staging, target)
+    except Exception as exc:
+        if disk_full(exc):
+            needed = max(1, sum(p.numel() * p.element_size() for p in model.parameters()) >> 20)
+            raise CodespecError(f"disk full while saving the converted model into {target.parent} (it needs about "
+                                f"{needed} MB): free some space, or set CODESPEC_HOME to a folder on a disk that "
+                                "has it, then run `codespec pull` again") from None
+        if isinstance(exc, OSError):
+            raise CodespecError(f"cannot save the converted model into {target.parent}: {first_line(exc)}") from None
+        raise
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging.with_name(staging.name + "-old"), ignore_errors=True)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT, from Python (OSError) or from safetensors' Rust writer (its message ends "(os error 28)")."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, OSError):
+        return exc.errno in codes
+    return any(f"(os error {code})" in str(exc) for code in codes)
+
+
+@contextmanager
+def conversion_lock(folder: Path):
+    """Holds models/.pull.lock: one conversion at a time, and a staging folder found while holding it belongs to
+    no running conversion. The kernel drops the lock when its holder dies, SIGKILL included. Without a lock file
+    (a read-only cache, no fcntl) it holds nothing: a ready model still loads."""
+    try:
+        import fcntl
+
+        handle = open(folder / ".pull.lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def remove_stale_staging(folder: Path) -> list[Path]:
+    """Staging folders left by a conversion that was killed (SIGKILL, power loss); call it holding the lock."""
+    stale = sorted(path for path in folder.glob(STAGING_PREFIX + "*") if path.is_dir())
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def checkpoint_problem(folder: Path, thorough: bool = False) -> str | None:
+    """Why the checkpoint in `folder` cannot load, naming the file; None when it looks whole. Reads the JSON
+    files (thorough: the large ones too, such as tokenizer.json) and each safetensors header, which also checks
+    that the file is exactly as long as its header says (so a truncated one is found); the tensor data itself
+    is not read, so a flipped byte inside it goes unnoticed."""
+    from safetensors import safe_open
+
+    if not (folder / "config.json").is_file():
+        return f"{folder / 'config.json'} is missing"
+    for file in sorted(folder.glob("*.json")):
+        try:
+            if thorough or file.stat().st_size < 1 << 20:
+                json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return f"{file} is not readable JSON ({first_line(exc)})"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weights = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+    elif (folder / "model.safetensors").is_file() or not any(folder.glob("*.bin")):
+        weights = ["model.safetensors"]
+    else:
+        weights = []  # pytorch_model.bin and other formats are left to transformers
+    for file in (folder / name for name in weights):
+        if not file.is_file():
+            return f"{file} is missing"
+        try:
+            with safe_open(str(file), "pt") as opened:
+                opened.keys()
+        except Exception as exc:  # safetensors raises its own SafetensorError for a bad header
+            return f"{file} is truncated or corrupted ({first_line(exc)})"
+    return None
+
+
 def pull(model: str = DEFAULT_MODEL, show_progress: bool = True) -> Path:
     """Where `model` loads from, in about a second: for the default or a .gguf, converted once into the
-    cache; a directory or a hub id is returned as it is."""
+    cache (again if the converted copy is damaged); a directory or a hub id is returned as it is."""
     from tqdm.auto import tqdm
 
     kind, target = model_source(model)
-    if kind != "cache" or is_checkpoint(target):
+    if kind != "cache":
         return target
-    with tqdm(total=4, desc=f"pull {model}", unit="step", disable=not show_progress, leave=True) as bar:
-        bar.set_postfix_str("locating weights")
-        gguf = locate_default_gguf() if model in DEFAULT_ALIASES else Path(model)
-        bar.update()
-        bar.set_postfix_str("loading GGUF (once)")
-        convert_gguf(gguf, target, progress=_StepBar(bar, ["converting", "saving", "done"]))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # save_checkpoint says why, if a conversion is needed
+    with conversion_lock(target.parent):  # waits while another process converts, then finds its result
+        remove_stale_staging(target.parent)
+        problem = checkpoint_problem(target) if target.exists() else None
+        if target.exists() and problem is None:
+            return target
+        if problem is not None:
+            print(f"codespec: the converted model is damaged: {problem}; converting it again", file=sys.stderr)
+        with tqdm(total=4, desc=f"pull {model}", unit="step", disable=not show_progress, leave=True) as bar:
+            bar.set_postfix_str("locating weights")
+            gguf = locate_default_gguf() if model in DEFAULT_ALIASES else Path(model)
+            bar.update()
+            bar.set_postfix_str("loading GGUF (once)")
+            convert_gguf(gguf, target, progress=_StepBar(bar, ["converting", "saving", "done"]))
     return target
 
 
@@ -190,26 +292,37 @@ def load(config: ModelConfig, show_progress: bool = True):
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=options.get("local_files_only", False))
         model = AutoModelForCausalLM.from_pretrained(location, **options)
-    except OSError as exc:
-        if kind == "hub":
-            raise CodespecError(
-                f"cannot fetch {config.model!r} from the model hub ({first_line(exc)}); "
-                "pass a local directory or .gguf file, or use the default model"
-            ) from None
-        raise CodespecError(f"cannot load model {config.model!r}: {first_line(exc)}") from None
-    except ValueError as exc:
-        raise CodespecError(unsupported_architecture(location) or
-                            f"cannot load model {config.model!r}: {first_line(exc)}") from None
+    except Exception as exc:
+        problem = load_problem(config.model, kind, Path(location), exc)
+        if problem is None:
+            raise  # not the input's fault: a bug
+        raise CodespecError(problem) from None
     model.to(device).eval()
     torch.set_grad_enabled(False)
     return model, tokenizer
 
 
+def load_problem(model: str, kind: str, location: Path, exc: Exception) -> str | None:
+    """The one-line message for a model that failed to load, naming a damaged file and how to fix it;
+    None when neither the model nor its files explain the failure."""
+    if kind == "hub" and isinstance(exc, OSError):
+        return (f"cannot fetch {model!r} from the model hub ({first_line(exc)}); "
+                "pass a local directory or .gguf file, or use the default model")
+    if isinstance(exc, ValueError) and (reason := unsupported_architecture(str(location))):
+        return reason
+    damage = checkpoint_problem(location, thorough=True) if kind != "hub" else None
+    if damage is not None:
+        fix = (f"delete {location} and run `codespec pull{'' if model in DEFAULT_ALIASES else f' --model {model}'}`"
+               if kind == "cache" else "copy the model again")
+        return f"cannot load model {model!r}: {damage}; {fix}"
+    if isinstance(exc, (OSError, ValueError)):
+        return f"cannot load model {model!r}: {first_line(exc)}"
+    return None
+
+
 def unsupported_architecture(location: str) -> str | None:
     """Why transformers cannot give a causal LM for the checkpoint in `location`, naming its architecture;
     None when the architecture is not the problem (or there is no config to read)."""
-    import json
-
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -1,0 +1,34 @@
+"""Give freed buffers back to the system, so a long-running server's memory levels off at what it holds.
+
+glibc serves an allocation of at least M_MMAP_THRESHOLD bytes with its own mmap, unmapped again on free. By default
+the threshold is dynamic: each large buffer freed raises it (up to 32 MB on 64-bit), so the next ones come from the
+heap instead, and a heap keeps what is freed inside it. A server that builds and drops per-request tensors of a few
+MB (logits over the vocabulary, attention scratch) ends with hundreds of MB that are free but never returned
+(measured: RSS 250-400 MB above the KV caches). A fixed threshold keeps those buffers on mmap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
+MMAP_THRESHOLD = 1 << 20  # bytes: larger allocations are mmapped and returned on free (glibc's own start: 128 KiB)
+ENVIRONMENT = "CODESPEC_MMAP_THRESHOLD"  # bytes, overriding MMAP_THRESHOLD; 0 leaves glibc's dynamic threshold
+
+
+def return_freed_memory() -> int:
+    """Fix glibc's mmap threshold, once at process start, before the model loads. Returns the threshold set; 0 when
+    nothing was changed: not glibc (macOS, musl), $MALLOC_MMAP_THRESHOLD_ already set by the user (glibc read it
+    at start), or $CODESPEC_MMAP_THRESHOLD=0."""
+    threshold = int(os.environ.get(ENVIRONMENT) or MMAP_THRESHOLD)
+    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return 0
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return threshold if mallopt(M_MMAP_THRESHOLD, threshold) == 1 else 0
