@@ -35,6 +35,9 @@ class Draft:
     # The distributions the tokens were sampled from ([k, vocab]); None for deterministic drafters.
     # With them the sampler uses rejection sampling with a residual distribution instead of exact match.
     probs: torch.Tensor | None = None
+    # Seconds of the draft spent catching up on history the drafter had not read (a draft model after a
+    # prompt or a pause): paid once, not per draft token, so adaptive speculation does not count it as one.
+    catch_up_seconds: float = 0.0
 
 
 def common_prefix(a, b) -> int:

@@ -10,6 +10,13 @@ not seen yet (the prompt, the target's own token, drafts that came from another 
 forward. accept() and truncate() crop eagerly too, so between steps the cache never runs ahead of the
 history.
 
+Window: the draft model reads only the most recent WINDOW tokens, so filling its cache for a long editor
+prompt (or catching up after adaptive speculation held it back) costs a forward over WINDOW tokens at most,
+not over the whole prompt. Its cache starts at history[offset]; once it covers 2 x WINDOW tokens it starts
+again from the last WINDOW. Positions restart at 0 there: rotary attention depends on distances only.
+A sync that feeds more than the last couple of tokens reports its time as the draft's catch_up_seconds,
+which adaptive speculation leaves out of the drafter's per-token cost.
+
 Greedy (temperature 0): argmax drafts, probs=None, verified by exact match. Sampled: each token is drawn
 from warp(logits, params), the temperature/top-k/top-p the target is verified with, and those
 distributions travel with the draft, so the sampler uses rejection sampling with a residual: lossless
@@ -25,6 +32,7 @@ cannot bias which tokens are accepted.
 from __future__ import annotations
 
 import copy
+import time
 
 import numpy as np
 import torch
@@ -42,18 +50,23 @@ DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
 class DraftModel(Drafter):
     name = "draft"
+    WINDOW = 128  # tokens of history the draft model reads
 
-    def __init__(self, model, p_min: float = 0.0, target_vocab_size: int | None = None, path=None):
+    def __init__(self, model, p_min: float = 0.0, target_vocab_size: int | None = None, path=None,
+                 window: int | None = WINDOW):
         """model: a transformers causal LM, loaded and on its device. target_vocab_size: the width of the
         target's logits when it differs from the draft model's (same tokenizer, differently padded
         embeddings, as across Qwen2.5 sizes); draft logits are then cut or padded with -inf to match.
-        path: the model's forward (forward.py), shared by every session's drafter; built here when not given."""
+        path: the model's forward (forward.py), shared by every session's drafter; built here when not given.
+        window: tokens of history read (None: all of it)."""
         self.model = model
         self.p_min = p_min
         self.target_vocab_size = target_vocab_size
         self.context = getattr(model.config, "max_position_embeddings", None)
         self.path = path or forward_path(model)
+        self.window = window
         self.cache = self.path.new_cache()
+        self.offset = 0  # self.cache covers history[offset:offset + len(self.tokens)]
         self.tokens: list[int] = []  # the token ids self.cache covers, in order
         self.params = SamplingParams()
         self.generator = torch.Generator(device=model.device)
@@ -71,12 +84,14 @@ class DraftModel(Drafter):
 
     @torch.no_grad()
     def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
-        if self.context is not None:
-            # drafting k tokens feeds history plus k-1 of them: keep every position inside the context
-            max_tokens = min(max_tokens, self.context + 1 - len(history))
         if max_tokens < 1 or len(history) == 0:
             return None
-        logits = self._sync(history)  # [vocab] for the position after history
+        started = time.perf_counter()
+        logits, fed = self._sync(history)  # [vocab] for the position after history
+        catch_up = time.perf_counter() - started if fed > 2 else 0.0
+        if self.context is not None:
+            # drafting k tokens feeds k-1 of them after the cached ones: keep every position inside the context
+            max_tokens = min(max_tokens, self.context + 1 - len(self.tokens))
         sampled = self.params.temperature > 0
         tokens: list[int] = []
         distributions: list[torch.Tensor] = []
@@ -94,24 +109,31 @@ class DraftModel(Drafter):
                 logits = self._feed([token])
         if not tokens:
             return None
-        return Draft(tokens, torch.stack(distributions) if sampled else None)
+        return Draft(tokens, torch.stack(distributions) if sampled else None, catch_up_seconds=catch_up)
 
     @torch.no_grad()
     def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
-        self._crop(common_prefix(self.tokens, history))  # rejected draft tokens leave the cache now
+        self._crop(self.offset + common_prefix(self.tokens, history[self.offset:]))  # rejected drafts leave now
 
     @torch.no_grad()
     def truncate(self, new_len: int) -> None:
         self._crop(new_len)
 
-    def _sync(self, history: np.ndarray) -> torch.Tensor:
-        """Make the cache cover history; return the logits for the next position."""
+    def _sync(self, history: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Make the cache cover the window of history; return the logits for the next position and how many
+        tokens were fed."""
+        if self.window is not None and (len(history) <= self.offset or len(history) - self.offset > 2 * self.window):
+            self._crop(self.offset)  # empty: start again from the last WINDOW tokens
+            self.offset = max(0, len(history) - self.window)
         # the last history token is always fed (again, if it was cached) because only a forward gives logits
-        keep = min(common_prefix(self.tokens, history), len(history) - 1)
-        self._crop(keep)
-        return self._feed(history[keep:].tolist())
+        keep = min(common_prefix(self.tokens, history[self.offset:]), len(history) - 1 - self.offset)
+        self._crop(self.offset + keep)
+        fresh = history[self.offset + keep:].tolist()
+        return self._feed(fresh), len(fresh)
 
     def _crop(self, new_len: int) -> None:
+        """Keep the cache for history[:new_len] (whatever of it lies in the window)."""
+        new_len = max(new_len - self.offset, 0)
         excess = len(self.tokens) - new_len
         if excess > 0:
             self.cache.crop(new_len)

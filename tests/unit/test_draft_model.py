@@ -57,8 +57,9 @@ def test_greedy_identity(engine, model, small, seed):
     steps, _ = run_with_chain(engine.session(), Chain([DraftModel(small)]), prompt, 32, DRAFT_MAX)
     assert emitted(steps) == plain.tokens
 
-    # the target as its own draft model: every step yields a full draft plus the target's own token
-    steps, stats = run_with_chain(engine.session(), Chain([DraftModel(model)]), prompt, 32, DRAFT_MAX)
+    # the target as its own draft model, reading all of the history: every step yields a full draft plus the
+    # target's own token
+    steps, stats = run_with_chain(engine.session(), Chain([DraftModel(model, window=None)]), prompt, 32, DRAFT_MAX)
     assert emitted(steps) == plain.tokens
     assert stats.target_forwards == math.ceil(len(plain.tokens) / (DRAFT_MAX + 1))
     if plain.finish_reason != "eos":  # tokens drafted past an EOS are never counted as accepted
@@ -95,6 +96,28 @@ def test_draft_cache_follows_the_history(engine, small):
     assert emitted(steps) == engine.generate(edited, SamplingParams(max_tokens=16), spec=NONE).tokens
     session.reset()
     assert drafter.cached == 0 and drafter.cache.length == 0
+
+
+def test_a_windowed_draft_model_reads_only_recent_history_and_output_is_unchanged(engine, small):
+    drafter = DraftModel(small, window=16)
+    session = engine.session()
+    prompt = random_prompt(np.random.default_rng(5), 60, repetitive=True)
+    session.use_chain(Chain([drafter]))
+    stats = GenerationStats()
+    steps = []
+    for step in generate_steps(session, prompt, Sampler(SamplingParams()), DRAFT_MAX, 40, 512, frozenset({EOS}),
+                               stats):
+        steps.append(step)
+        assert drafter.cache.length == drafter.cached <= 2 * 16 + DRAFT_MAX  # two windows and a draft at most
+        assert drafter.tokens == session.history[drafter.offset: drafter.offset + drafter.cached].tolist()
+    assert drafter.offset > 44  # it moved on at least once while generating
+    assert emitted(steps) == engine.generate(prompt, SamplingParams(max_tokens=40), spec=NONE).tokens
+
+    fresh = DraftModel(small, window=16)
+    first = fresh.draft(np.asarray(prompt), 2)  # fills 16 tokens: a catch-up, timed apart from the draft
+    assert first.catch_up_seconds > 0 and fresh.offset == len(prompt) - 16
+    fresh.accept(np.asarray(prompt + first.tokens[:1]), 2, 1)
+    assert fresh.draft(np.asarray(prompt + first.tokens[:1] + [3]), 2).catch_up_seconds == 0  # one new token
 
 
 def confidence(model, tokens: list[int]) -> float:
