@@ -27,6 +27,10 @@ def spec_list(value: str) -> tuple[str, ...]:
     return names
 
 
+def name_list(value: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
 def bounded_int(low: int, high: int):
     def parse(value: str) -> int:
         try:
@@ -93,7 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=server.host, help=f"(default {server.host}: this machine only)")
     serve.add_argument("--port", type=bounded_int(0, 65535), default=server.port, help=f"(default {server.port})")
     serve.add_argument("--api-key", default=os.environ.get("CODESPEC_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' (default: $CODESPEC_API_KEY, else none)")
+                       help="require 'Authorization: Bearer KEY' (default: $CODESPEC_API_KEY, else none); several "
+                            "keys comma-separated: each key's clients get their own sessions and caches")
+    serve.add_argument("--allowed-hosts", type=name_list, default=(), metavar="NAMES",
+                       help="Host names to serve besides localhost, IP addresses and --host, comma-separated "
+                            "('*.lan': any name under lan, '*': any); others get 403 (DNS rebinding)")
+    serve.add_argument("--allowed-origins", type=name_list, default=(), metavar="ORIGINS",
+                       help="web origins whose pages may call the server (CORS), comma-separated, e.g. "
+                            "https://editor.example ('*': any); other pages' requests get 403")
+    serve.add_argument("--read-timeout", type=float, default=server.read_timeout, metavar="SECONDS",
+                       help=f"seconds a client may take to send its request headers, then its body "
+                            f"(default {server.read_timeout:g})")
     add_model_options(serve)
     serve.add_argument("--spec", type=spec_list, default=None,
                        help=f"default drafter chain (default {','.join(SpecConfig().spec)}); requests may override")
@@ -338,18 +352,24 @@ def run_serve(args) -> int:
 
     from .engine import Engine
     from .models import DEFAULT_ALIASES, DEFAULT_NAME
-    from .server import create_app
+    from .server import create_app, uvicorn_options
 
     model_config, spec, params = settings_from_args(args)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, max_queue=args.max_queue,
-                          parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20)
+                          parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20,
+                          allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+                          read_timeout=args.read_timeout)
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise CodespecError(str(exc)) from None
     engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
     name = DEFAULT_NAME if model_config.model in DEFAULT_ALIASES else model_config.model
     app = create_app(engine, config, params, spec, model_name=name)
     print(f"codespec: serving {name} on http://{config.host}:{config.port} (/infill, /v1/completions, "
           f"/v1/chat/completions, /metrics, /slots)", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", **uvicorn_options(config))
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind
         raise CodespecError(f"cannot serve on {config.host}:{config.port} (is the port in use?)") from exc
     return 0

@@ -16,6 +16,9 @@ SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-
 MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the draftless ones are cheaper
 FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers for non-Llama models
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
+MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
+MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)
+MIN_TOP_P = 1e-6  # smallest top_p: 5e-324 is 0 in float32 and would leave no token to sample
 
 
 def unknown_drafters(names: tuple[str, ...]) -> str | None:
@@ -41,14 +44,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # generation ends when the text contains any of these
 
     def validate(self) -> None:
+        # sampling divides float32 logits by the temperature and compares float32 sums with top_p: a smaller
+        # temperature overflows to inf (NaN probabilities), a smaller top_p rounds to 0 (no token left)
         if self.max_tokens < 1:
             raise ValueError(f"max-tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 (greedy) or in {MIN_TEMPERATURE}..{MAX_TEMPERATURE:g}, "
+                             f"got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not MIN_TOP_P <= self.top_p <= 1.0:
+            raise ValueError(f"top-p must be in {MIN_TOP_P}..1, got {self.top_p}")
 
 
 @dataclass
@@ -124,15 +130,21 @@ SESSION_MEMORY = 2 << 30  # bytes of KV cache that named sessions may hold befor
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback only: other machines cannot reach it unless asked for (--host 0.0.0.0)
     port: int = 8012  # llama.vim's default endpoint is http://127.0.0.1:8012/infill
-    api_key: str | None = None  # when set, every request needs `Authorization: Bearer KEY` (/health excepted)
+    api_key: str | None = None  # when set, every request needs `Authorization: Bearer KEY` (/health excepted);
+    # several keys, comma-separated (as llama-server takes them), keep their clients' sessions apart
     max_queue: int = 64  # requests waiting to start before new ones get 429
     parallel: int = 16  # requests that take turns step by step; more wait in the queue (bounds KV memory)
     slots: int = 4  # sessions picked by longest common prefix for requests that name none (as llama.cpp picks slots)
     session_memory: int = SESSION_MEMORY  # see SESSION_MEMORY
     max_request_bytes: int = 4 << 20  # larger request bodies get 413 (a 4 MB prompt is far past any context)
     prefill_chunk: int = 128  # prompt tokens per forward: other requests take turns between chunks
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides localhost, IP addresses and --host (DNS rebinding)
+    allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the server (CORS); others get 403
+    read_timeout: float = 30.0  # seconds a client may take to send its request headers, and then its body
 
     def validate(self) -> None:
+        if not 0 < self.read_timeout <= 86400:
+            raise ValueError(f"read-timeout must be in (0, 86400] seconds, got {self.read_timeout}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_queue < 1 or self.parallel < 1 or self.slots < 0:

@@ -12,13 +12,14 @@ import uvicorn
 
 
 @contextmanager
-def live_server(app):
-    """Yields the base URL; stops the server (and runs the app's shutdown) afterwards."""
+def live_server(app, **options):
+    """Yields the base URL; stops the server (and runs the app's shutdown) afterwards. `options`: more uvicorn.Config
+    arguments (codespec.server.uvicorn_options)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -25,17 +27,36 @@ from ..errors import CodespecError
 from ..scheduler import QueueFull, Scheduler
 from .generation import Generations, Plan, Prompt, Run
 from .metrics import Metrics
-from .middleware import ApiKey, JsonByDefault, RequestMetrics, SizeLimit
+from .middleware import ApiKey, BrowserGuard, JsonByDefault, ReadTimeout, RequestMetrics, SizeLimit
 from .postprocess import IndentLimit
-from .schemas import (ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, ErrorResponse,
-                      InfillRequest, InfillResponse)
+from .schemas import (ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, ErrorResponse, Health,
+                      InfillRequest, InfillResponse, ModelList, SelectedFields, Slot)
 
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429)}
+log = logging.getLogger("codespec.server")
+# every route: a wrong key, a foreign Host or Origin, a bug; a body's routes: its mistakes, limits and the queue
+ANY_ROUTE_ERRORS = {status: {"model": ErrorResponse} for status in (401, 403, 500)}
+BODY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 422, 429)}
 ROUTES = {"/infill", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics", "/slots"}
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", **extra) -> JSONResponse:
-    return JSONResponse({"error": {"code": status, "message": message, "type": kind, **extra}}, status_code=status)
+def streamed(description: str) -> dict:
+    """The OpenAPI entry of a route's `stream: true` answer: server-sent events (the schema is one event's), each
+    event's data a JSON object or the final [DONE]."""
+    json_object = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"type": "object"}}
+    event = {"type": "object", "required": ["data"], "description": description,
+             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_object]}}}
+    return {200: {"content": {"text/event-stream": {"schema": event}},
+                  "description": "JSON, or with `stream: true` server-sent events"}}
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", headers=None, **extra) -> Response:
+    """The one error shape. json.dumps escapes what is not ASCII, so a message can never fail to encode."""
+    body = {"error": {"code": status, "message": message, "type": kind, **extra}}
+    return Response(json.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_event(status: int, message: str, kind: str) -> bytes:
+    return sse({"error": {"code": status, "message": message, "type": kind}})
 
 
 def sse(data) -> bytes:
@@ -47,8 +68,9 @@ def event_stream(events) -> EventSourceResponse:
 
 
 def select_fields(body: dict, fields: list[str] | None) -> dict:
-    """llama.cpp's response_fields: only these fields, a nested one ('timings/prompt_n') under its path."""
-    if fields is None:
+    """llama.cpp's response_fields: only these fields, a nested one ('timings/prompt_n') under its path; none or []:
+    every field (as llama.cpp)."""
+    if not fields:
         return body
     selected = {}
     for path in fields:
@@ -77,7 +99,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         yield
         scheduler.close()
 
-    app = FastAPI(title="codespec", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="codespec", version=__version__, lifespan=lifespan, responses=ANY_ROUTE_ERRORS,
                   description="Lossless self-speculative decoding for coding assistants: llama.cpp-compatible "
                               "/infill and OpenAI-compatible completions.")
     app.state.scheduler, app.state.metrics, app.state.engine = scheduler, metrics, engine
@@ -103,7 +125,20 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):
-        return error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "http_error")
+        kind = {404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error"}.get(exc.status_code,
+                                                                                              "http_error")
+        return error(exc.status_code, str(exc.detail), kind, headers=exc.headers)  # 405's Allow, 408's Connection
+
+    @app.exception_handler(Exception)
+    async def bug(request, exc):
+        """Anything else is a bug: a JSON 500, never plain text. Starlette raises the exception again afterwards
+        (uvicorn logs it and closes the connection), so the client is told not to reuse the connection."""
+        return error(500, f"internal server error ({type(exc).__name__}); the server's log has the details",
+                     "server_error", headers={"Connection": "close"})
+
+    def tenant(request: Request) -> str:
+        """The session namespace of the request's API key ('' with none or one key)."""
+        return getattr(request.state, "tenant", "")
 
     # -- helpers shared by the generation routes -------------------------------------------------------------
 
@@ -127,7 +162,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         return {"content": run.text, "stop": True, "stop_type": run.stop_type, "stopping_word": run.stopping_word,
                 "tokens_predicted": run.stats.generated_tokens, "tokens_evaluated": len(run.prompt.ids),
                 "tokens_cached": run.cached, "truncated": run.prompt.truncated, "model": model_name,
-                "session": None if run.temporary else run.session_id, "timings": run.timings(),
+                "session": None if run.temporary else run.session_name, "timings": run.timings(),
                 "speculation": run.speculation()}
 
     def usage(run: Run) -> dict:
@@ -136,19 +171,27 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                 "prompt_tokens_details": {"cached_tokens": run.cached}}
 
     async def stream_events(run: Run, piece, last, done: bool):
-        """SSE: one event per text piece, then the last one; `data: [DONE]` after it for OpenAI routes."""
+        """SSE: one event per text piece, then the last one; `data: [DONE]` after it for OpenAI routes. The status
+        line is sent already when something fails: the error is the last event (then [DONE]), not a cut stream."""
         try:
             async for delta in generations.deltas(run):
                 yield sse(piece(delta))
             yield sse(last())
-        except CodespecError as exc:  # the status line is sent already: the error goes in the stream
-            yield sse({"error": {"code": 400, "message": str(exc), "type": "invalid_request_error"}})
+        except CodespecError as exc:
+            yield error_event(400, str(exc), "invalid_request_error")
+        except Exception as exc:
+            log.exception("a streamed generation failed")
+            yield error_event(500, f"internal server error ({type(exc).__name__}); the server's log has the "
+                                   "details", "server_error")
         if done:
             yield sse("[DONE]")
 
     # -- routes --------------------------------------------------------------------------------------------
 
-    @app.post("/infill", responses={200: {"model": InfillResponse}, **ERRORS})
+    @app.post("/infill", response_model=InfillResponse | SelectedFields,
+              responses={**streamed('{"content": piece, "stop": false} events, then the InfillResponse with '
+                                    'empty content; a failure: {"error": ...}'),
+                         **BODY_ERRORS})
     async def infill(body: InfillRequest, request: Request):
         """llama.cpp's fill-in-the-middle endpoint (llama.vim's). `n_predict: 0` only warms the session's cache."""
         warm_only = body.n_predict == 0
@@ -167,15 +210,22 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                 limits.append(IndentLimit(body.n_indent))
             return Prompt(fim.ids, fim.truncated, fim.stop_ids, limits)
 
-        run = await generations.start(Plan("/infill", build, params, spec, generations.session_name(body),
-                                           body.cache_prompt, warm_only, body.t_max_predict_ms))
+        namespace = tenant(request)
+        run = await generations.start(Plan("/infill", build, params, spec, generations.session_name(body, namespace),
+                                           body.cache_prompt, warm_only, body.t_max_predict_ms, namespace))
         if body.stream and not warm_only:
             return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
                                               lambda: {**infill_body(run), "content": ""}, done=False))
         gone = await finish(request, run)
-        return gone or JSONResponse(select_fields(infill_body(run), body.response_fields))
+        if gone:
+            return gone
+        if body.response_fields:  # a selection: not validated (the union would take a broken body for one)
+            return JSONResponse(select_fields(infill_body(run), body.response_fields))
+        return InfillResponse.model_validate(infill_body(run))
 
-    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERRORS})
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**streamed("OpenAI completion chunks (a failure: {\"error\": ...}), then [DONE]"),
+                         **BODY_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI text completion; with `suffix`, fill-in-the-middle."""
         params, spec = generations.settings(body, body.max_tokens)
@@ -189,8 +239,10 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
             limits = [SuffixTrimmer(body.suffix)] if fim.format is None and body.suffix.strip() else []
             return Prompt(fim.ids, False, fim.stop_ids, limits)
 
-        run = await generations.start(Plan("/v1/completions", build, params, spec, generations.session_name(body),
-                                           body.cache_prompt))
+        namespace = tenant(request)
+        run = await generations.start(Plan("/v1/completions", build, params, spec,
+                                           generations.session_name(body, namespace), body.cache_prompt,
+                                           tenant=namespace))
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text, finish_reason=None, **more):
@@ -204,9 +256,11 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
 
         if body.stream:
             return event_stream(stream_events(run, chunk, lambda: complete(""), done=True))
-        return await finish(request, run) or JSONResponse(complete(run.text))
+        return await finish(request, run) or complete(run.text)
 
-    @app.post("/v1/chat/completions", responses={200: {"model": ChatResponse}, **ERRORS})
+    @app.post("/v1/chat/completions", response_model=ChatResponse,
+              responses={**streamed("OpenAI chat completion chunks (a failure: {\"error\": ...}), then [DONE]"),
+                         **BODY_ERRORS})
     async def chat(body: ChatRequest, request: Request):
         """OpenAI chat completion, with the model's chat template."""
         params, spec = generations.settings(body, body.max_tokens)
@@ -220,8 +274,10 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                                                        return_dict=False)
             return Prompt(list(ids["input_ids"] if isinstance(ids, dict) else ids))
 
+        namespace = tenant(request)
         run = await generations.start(Plan("/v1/chat/completions", build, params, spec,
-                                           generations.session_name(body), body.cache_prompt))
+                                           generations.session_name(body, namespace), body.cache_prompt,
+                                           tenant=namespace))
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first = [True]
 
@@ -236,35 +292,40 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                 run, chunk, lambda: chunk("", run.finish_reason, usage=usage(run), timings=run.timings(),
                                           speculation=run.speculation()), done=True))
         gone = await finish(request, run)
-        return gone or JSONResponse({
+        return gone or {
             "id": ident, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": run.text},
                          "finish_reason": run.finish_reason}],
-            "usage": usage(run), "timings": run.timings(), "speculation": run.speculation()})
+            "usage": usage(run), "timings": run.timings(), "speculation": run.speculation()}
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health)
     async def health():
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "codespec",
             "meta": {"context_length": engine.context_length, "spec": list(generations.spec.spec),
                      "vocab_size": int(engine.model.config.vocab_size)}}]}
 
-    @app.get("/slots")
-    async def slots():
-        """Every named session: its length, cached tokens, KV-cache bytes, and each drafter's statistics."""
+    @app.get("/slots", response_model=list[Slot])
+    async def slots(request: Request):
+        """Every named session of this API key: its length, cached tokens, KV-cache bytes, and each drafter's
+        statistics."""
+        namespace = tenant(request)
+
         def read(engine):
             busy = scheduler.busy_sessions()
-            return [{"id": name, "busy": name in busy, "tokens": session.length, "cached": session.cached,
-                     "cache_bytes": session_bytes(session), "spec": list(session.spec.spec) if session.spec else [],
+            return [{"id": name.removeprefix(namespace), "busy": name in busy, "tokens": session.length,
+                     "cached": session.cached, "cache_bytes": session_bytes(session),
+                     "spec": list(session.spec.spec) if session.spec else [],
                      "drafters": [stats.to_dict() for stats in session.chain.stats]}
-                    for name, session in engine.sessions.items()]
+                    for name, session in engine.sessions.items() if name.startswith(namespace)]
         return await scheduler.acall(read)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def prometheus():
         def read(engine):
             return len(engine.sessions), sum(session_bytes(s) for s in engine.sessions.values())
@@ -273,11 +334,19 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         metrics.session_bytes.set(total)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    # the last added runs first: metrics see every answer (401 and 413 too), the key is checked before the body
+    # the last added runs first: metrics see every answer (403, 401 and 413 too); a web page's requests are refused
+    # before anything else; CORS preflights (no key) are answered before the key is checked, the key before the body
     app.add_middleware(JsonByDefault)
     app.add_middleware(SizeLimit, limit=config.max_request_bytes)
-    if config.api_key:
-        app.add_middleware(ApiKey, key=config.api_key)
+    app.add_middleware(ReadTimeout, seconds=config.read_timeout)
+    keys = [key for key in (config.api_key or "").split(",") if key]
+    if keys:
+        app.add_middleware(ApiKey, keys=keys)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+    app.add_middleware(BrowserGuard, bound_host=config.host, allowed_hosts=config.allowed_hosts,
+                       allowed_origins=config.allowed_origins)
     app.add_middleware(RequestMetrics, metrics=metrics, routes=ROUTES)
     return app
 

@@ -5,6 +5,10 @@ Sessions. A request may name one (`session`, or llama.cpp's `id_slot` N, which i
 none gets, like llama.cpp's slot selection, the idle one of `slots` sessions whose history shares the longest
 prefix with its prompt, so an editor that sends one file's context again and again reuses its cache without
 knowing about sessions. When every slot is busy it runs in a fresh temporary session instead of waiting.
+
+With several API keys, each key's sessions and slots are its own (their names start with the key's `tenant`
+prefix): a client can neither reuse another key's cache nor learn from tokens_cached how much of a guess matched
+another key's prompt.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Plan:
     cache_prompt: bool = True
     warm_only: bool = False  # n_predict 0
     t_max_predict_ms: int = 0
+    tenant: str = ""  # the API key's session namespace ('' with none or one key)
 
 
 @dataclass
@@ -69,6 +74,11 @@ class Run:
     @property
     def text(self) -> str:
         return self.filter.final_text
+
+    @property
+    def session_name(self) -> str:
+        """The session's name as the client knows it (without the key's namespace)."""
+        return self.session_id.removeprefix(self.plan.tenant)
 
     @property
     def stop_type(self) -> str:
@@ -133,10 +143,10 @@ class Generations:
         return params, spec
 
     @staticmethod
-    def session_name(body) -> str | None:
+    def session_name(body, tenant: str = "") -> str | None:
         if body.session is not None:
-            return body.session
-        return f"slot-{body.id_slot}" if body.id_slot >= 0 else None
+            return tenant + body.session
+        return f"{tenant}slot-{body.id_slot}" if body.id_slot >= 0 else None
 
     async def start(self, plan: Plan) -> Run:
         """Build the prompt, pick the session and submit, all on the worker (so no two requests pick the same idle
@@ -162,7 +172,8 @@ class Generations:
         if plan.session is not None:
             return plan.session, False
         busy = self.scheduler.busy_sessions()
-        idle = [f"slot-{i}" for i in range(self.config.slots) if f"slot-{i}" not in busy]
+        slots = [f"{plan.tenant}slot-{i}" for i in range(self.config.slots)]
+        idle = [name for name in slots if name not in busy]
         if not idle:
             return f"tmp-{uuid.uuid4().hex}", True
         order = {name: rank for rank, name in enumerate(engine.sessions)}  # least recently used first

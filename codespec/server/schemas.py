@@ -1,27 +1,46 @@
 """Request and response bodies. Pydantic checks types and ranges, so a client's mistake is a 4xx JSON error
 before anything reaches the engine. Unknown fields are ignored: llama.vim and OpenAI SDKs send fields codespec
-does not use (`samplers`, `t_max_prompt_ms`, `user`, ...), and refusing them would break those clients."""
+does not use (`samplers`, `t_max_prompt_ms`, `user`, ...), and refusing them would break those clients.
+
+The response models are the routes' `response_model`s: FastAPI checks every answer against them, so the OpenAPI
+document says what the server really sends."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
-from ..config import DRAFT_MAX_LIMIT
+from ..config import DRAFT_MAX_LIMIT, MIN_TOP_P
 
 MAX_STOP = 16  # stop strings per request (llama.cpp and OpenAI take a handful)
 SessionName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
 
 
+def unicode_text(value: str) -> str:
+    """A lone UTF-16 surrogate (JSON's "\\ud800", or the bytes ED A0 80, which Python's JSON decoder lets through)
+    is no text: the tokenizer cannot encode it, nor can a response that echoes it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+
+
 class Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    """Unknown fields are ignored; known ones must have their JSON type (strict: `"stream": 0` or `"n_predict": "8"`
+    is a 422, as OpenAI's API answers; an integer is still a number)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
 class Speculation(Lenient):
     """codespec's per-request speculation overrides (the server's own settings otherwise)."""
 
-    spec: list[str] | str | None = Field(None, description="drafter chain, e.g. ['ngram-mod', 'prompt-lookup'] or "
+    spec: list[Text] | Text | None = Field(None, description="drafter chain, e.g. ['ngram-mod', 'prompt-lookup'] or "
                                                            "'ngram-mod,prompt-lookup'; 'none' turns speculation off")
     draft_max: int | None = Field(None, ge=1, le=DRAFT_MAX_LIMIT,
                                   validation_alias=AliasChoices("draft_max", "speculative.n_max"))
@@ -42,9 +61,9 @@ class Speculation(Lenient):
 class Sampling(Lenient):
     temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy (the default)")
     top_k: int | None = Field(None, ge=0, le=1 << 20)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1.0)
     seed: int | None = Field(None, ge=-1, le=(1 << 63) - 1, description="-1 or absent: unseeded")
-    stop: list[Annotated[str, Field(max_length=256)]] | str | None = Field(None)
+    stop: list[Annotated[Text, Field(max_length=256)]] | Text | None = Field(None)
 
     @field_validator("stop")
     @classmethod
@@ -57,33 +76,34 @@ class Sampling(Lenient):
 
 
 class ExtraChunk(Lenient):
-    filename: str = Field("", max_length=1024)
-    text: str = ""
+    filename: Text = Field("", max_length=1024)
+    text: Text = ""
 
 
 class InfillRequest(Sampling, Speculation):
     """llama.cpp's /infill (what llama.vim sends), plus codespec's speculation overrides."""
 
-    input_prefix: str = ""
-    input_suffix: str = ""
+    input_prefix: Text = ""
+    input_suffix: Text = ""
     input_extra: list[ExtraChunk] = Field(default_factory=list, max_length=1024)
-    prompt: str = Field("", description="the text typed before the cursor on its line (after the prefix)")
-    filename: str | None = Field(None, max_length=1024, description="the current file's name, for repo-level FIM")
+    prompt: Text = Field("", description="the text typed before the cursor on its line (after the prefix)")
+    filename: Text | None = Field(None, max_length=1024, description="the current file's name, for repo-level FIM")
     n_predict: int = Field(-1, ge=-1, le=1 << 20, description="-1: the server's default; 0: only warm the cache")
     stream: bool = False
     n_indent: int = Field(0, ge=0, le=1 << 16, description="stop at a line indented less than this")
     t_max_predict_ms: int = Field(0, ge=0, le=1 << 31,
                                   description="stop after this long since the first token, once a line is done")
-    response_fields: list[str] | None = Field(None, max_length=256,
-                                              description="return only these fields; 'a/b' flattens nested ones")
+    response_fields: list[Text] | None = Field(None, max_length=256,
+                                               description="return only these fields ('a/b' flattens nested ones); "
+                                                           "absent or [] returns all")
 
 
 class CompletionRequest(Sampling, Speculation):
     """OpenAI /v1/completions."""
 
-    model: str | None = None
-    prompt: str | list[str] = Field(..., description="one prompt (a one-element list is accepted)")
-    suffix: str | None = Field(None, description="text after the insertion point: fill-in-the-middle")
+    model: Text | None = None
+    prompt: Text | list[Text] = Field(..., description="one prompt (a one-element list is accepted)")
+    suffix: Text | None = Field(None, description="text after the insertion point: fill-in-the-middle")
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="one choice per request")
@@ -101,12 +121,12 @@ class CompletionRequest(Sampling, Speculation):
 
 class TextPart(Lenient):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
 class ChatMessage(Lenient):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -115,7 +135,7 @@ class ChatMessage(Lenient):
 class ChatRequest(Sampling, Speculation):
     """OpenAI /v1/chat/completions."""
 
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     max_tokens: int | None = Field(None, ge=1, le=1 << 20,
                                    validation_alias=AliasChoices("max_tokens", "max_completion_tokens"))
@@ -124,7 +144,7 @@ class ChatRequest(Sampling, Speculation):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
 
 
-# -- responses (documented in the OpenAPI schema; the routes build plain dicts) ---------------------------------
+# -- responses --------------------------------------------------------------------------------------------------
 
 
 class Timings(BaseModel):
@@ -145,7 +165,7 @@ class SpeculationStats(BaseModel):
     accepted_tokens: int
     acceptance_rate: float
     tokens_per_forward: float
-    drafters: list[dict]
+    drafters: list[dict[str, Any]]
 
 
 class InfillResponse(BaseModel):
@@ -155,17 +175,27 @@ class InfillResponse(BaseModel):
     stopping_word: str
     tokens_predicted: int
     tokens_evaluated: int
-    tokens_cached: int
+    tokens_cached: int  # prompt tokens reused from the session's cache (only ever this key's own history)
     truncated: bool
+    model: str
     session: str | None
     timings: Timings
     speculation: SpeculationStats
+
+
+# with response_fields: only the fields asked for, a nested one under its path ('timings/prompt_n')
+SelectedFields = Annotated[dict[str, Any], Field(title="InfillResponse, response_fields only")]
+
+
+class CachedTokens(BaseModel):
+    cached_tokens: int
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: CachedTokens
 
 
 class CompletionChoice(BaseModel):
@@ -208,10 +238,44 @@ class ChatResponse(BaseModel):
     speculation: SpeculationStats
 
 
+class ModelMeta(BaseModel):
+    context_length: int
+    spec: list[str]
+    vocab_size: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    meta: ModelMeta
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Slot(BaseModel):
+    id: str
+    busy: bool
+    tokens: int
+    cached: int
+    cache_bytes: int
+    spec: list[str]
+    drafters: list[dict[str, Any]]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
 class ErrorDetail(BaseModel):
     code: int
     message: str
     type: str
+    detail: list[dict[str, Any]] | None = Field(None, description="422: each problem's loc, msg and type")
 
 
 class ErrorResponse(BaseModel):

@@ -255,6 +255,15 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": []}, 422, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 422, "role"),
     ("/infill", {"input_prefix": "x" * (70 << 10)}, 413, "over"),
+    # a lone UTF-16 surrogate is no text: the tokenizer raised on it (a plain-text 500)
+    ("/infill", b'{"input_prefix": "a\\ud800b"}', 422, "input_prefix"),
+    ("/infill", b'{"input_prefix": "a", "input_extra": [{"text": "\\udc00"}]}', 422, "input_extra.0.text"),
+    ("/v1/completions", b'{"prompt": "a\xed\xa0\x80b"}', 422, "prompt"),  # the raw bytes of U+D800
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 422, "content"),
+    ("/v1/completions", b'{"prompt": "a", "suffix": "\\ud800"}', 422, "suffix"),
+    # float32 sampling turns these into inf or 0: they passed validation and crashed it (a 500)
+    ("/v1/completions", {"prompt": "x", "temperature": 1e-39}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1.0, "top_p": 5e-324}, 422, "top_p"),
 ]
 
 
@@ -277,7 +286,62 @@ def test_form_encoded_json_body_is_read_as_json(server):
 
 def test_unknown_route_and_method_are_json(server):
     assert server.get("/nowhere").json()["error"]["code"] == 404
-    assert server.get("/infill").json()["error"]["code"] == 405
+    wrong = server.get("/infill")
+    assert wrong.json()["error"]["code"] == 405 and wrong.headers["allow"] == "POST"  # RFC 9110: 405 says Allow
+
+
+def test_a_chunked_body_over_the_limit_is_413(server):
+    """Without a Content-Length the limit is found while reading (it was a 400 "error parsing the body")."""
+    def chunks():
+        for _ in range(5):
+            yield b" " * (16 << 10)
+
+    response = server.post("/infill", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+
+def test_empty_response_fields_return_the_whole_body(server):
+    """llama.cpp returns every field for `response_fields: []` (codespec returned {})."""
+    body = server.post("/infill", json={"input_prefix": PREFIX, "n_predict": 2, "response_fields": []}).json()
+    assert {"content", "timings", "tokens_cached"} <= set(body)
+
+
+def break_generation(monkeypatch, engine, after_chunks: int):
+    """The engine raises a bug's exception after yielding `after_chunks` chunks of a generation."""
+    original = engine.stream
+
+    def stream(*args, **kwargs):
+        chunks = original(*args, **kwargs)
+        for _ in range(after_chunks):
+            yield next(chunks)
+        raise RuntimeError("a bug in the engine")
+
+    monkeypatch.setattr(engine, "stream", stream)
+
+
+def test_an_internal_error_is_a_json_500_and_the_server_goes_on(monkeypatch, engine, server):
+    break_generation(monkeypatch, engine, after_chunks=0)
+    response = server.post("/v1/completions", json={"prompt": "import os\n", "max_tokens": 8})
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == 500 and response.json()["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert server.post("/v1/completions", json={"prompt": "import os\n", "max_tokens": 8}).status_code == 200
+
+
+@pytest.mark.parametrize("path, body, done", [
+    ("/v1/completions", {"prompt": "import os\n"}, True),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}, True),
+    ("/infill", {"input_prefix": PREFIX, "n_predict": 16}, False),
+])
+def test_an_error_mid_stream_ends_with_an_error_event(monkeypatch, engine, server, path, body, done):
+    """The status line is sent already: the stream says what went wrong and ends as usual (was: a cut connection)."""
+    break_generation(monkeypatch, engine, after_chunks=2)
+    with server.stream("POST", path, json=body | {"stream": True, "max_tokens": 16}) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    ending = events[-2:] if done else events[-1:]
+    assert ending[0]["error"]["code"] == 500 and ending[0]["error"]["type"] == "server_error"
+    assert (events[-1] == "[DONE]") == done
 
 
 def test_api_key(engine):
