@@ -22,6 +22,7 @@ from codespec.errors import CodespecError
 
 from .protocol import ADD_DOCSTRINGS, ADD_TYPE_HINTS, COMMANDS, COMMANDS_BY_ID, REWRITE_SELECTION, TRANSLATE_COMMENTS
 from .completion import REQUEST_FAILED
+from .documents import clean_text
 from .settings import spec_config
 
 # The request names the change after the code's language and asks for the complete code back, and the
@@ -67,7 +68,8 @@ def parse_arguments(command, arguments) -> dict:
         elif not isinstance(value, str) or not value.strip():
             raise JsonRpcInvalidParams(f"{command.id}: {argument.name!r} must be a non-empty string ({argument.doc})")
         else:
-            values[argument.name] = value
+            # the instruction and language go into the prompt; the uri only names the document
+            values[argument.name] = value if argument.name == "uri" else clean_text(value)
     return values
 
 
@@ -103,6 +105,13 @@ def fit_to_selection(output: str, selection: str) -> str:
     return body + trailing
 
 
+async def client_answer(request):
+    """Await a request to the client, shielded: when $/cancelRequest cancels the command meanwhile, the request
+    itself stays pending, so the client's late answer finds it (pygls reports an answer to a cancelled request
+    as a server error, shown to the user)."""
+    return await asyncio.shield(request)
+
+
 def progress_message(stats) -> str:
     if stats is None:
         return "prefilling"
@@ -123,7 +132,7 @@ class Progress:
         if window is None or not window.work_done_progress:
             return
         token = f"codespec-{uuid.uuid4()}"
-        await self.server.work_done_progress.create_async(token)
+        await client_answer(self.server.work_done_progress.create_async(token))
         self.token = token
         self.server.work_done_progress.begin(token, types.WorkDoneProgressBegin(
             title=self.title, cancellable=True, message="prefilling"))
@@ -212,8 +221,12 @@ async def execute(server, command_id: str, arguments) -> dict:
     new_text = fit_to_selection(text, selection)
     edit_range = types.Range(start=types.Position(line=start_line, character=start_character),
                              end=types.Position(line=end_line, character=end_character))
-    result = await server.workspace_apply_edit_async(types.ApplyWorkspaceEditParams(
-        edit=workspace_edit(server, document, edit_range, new_text, version), label=command.title))
+    try:
+        result = await client_answer(server.workspace_apply_edit_async(types.ApplyWorkspaceEditParams(
+            edit=workspace_edit(server, document, edit_range, new_text, version), label=command.title)))
+    except asyncio.CancelledError:  # $/cancelRequest while the client applies the edit: it may still apply it
+        progress.end("cancelled")
+        raise
     progress.end(progress_message(stats))
     return {"applied": bool(result.applied), "cancelled": False, "stats": server.stats_params(command.id, stats)}
 

@@ -26,7 +26,7 @@ from codespec.context import treesitter
 from codespec.context.fim import SuffixTrimmer, fim_prompt, trim_to_suffix
 from codespec.errors import CodespecError
 
-from .documents import Document
+from .documents import Document, clean_text
 from .settings import spec_config
 
 REQUEST_FAILED = -32803  # LSP's RequestFailed: valid params, but the server could not do it
@@ -214,4 +214,6 @@ class Completer:
 
 
 def filename_of(uri: str) -> str:
-    return uri.rsplit("/", 1)[-1] or uri
+    """The name the prompt gives a document (and a chunk from it): the end of its URI, which reaches the
+    tokenizer, so it is cleaned of unpaired surrogates like the text."""
+    return clean_text(uri.rsplit("/", 1)[-1] or uri)

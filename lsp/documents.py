@@ -17,10 +17,18 @@ from dataclasses import dataclass, field
 from codespec.context import treesitter
 
 LINE_BREAK = re.compile(r"\r\n|\r|\n")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a str from JSON holds surrogates only when they are unpaired
 
 
 class PositionError(ValueError):
     """A position or range that does not exist in the document (answered with a JSON-RPC error)."""
+
+
+def clean_text(text: str) -> str:
+    """Text with each unpaired UTF-16 surrogate replaced by U+FFFD. JSON can carry "\\ud800", but UTF-8, the
+    tokenizer and tree-sitter cannot: one such character in one document failed every completion that read it.
+    U+FFFD is one UTF-16 unit too, so the client's positions still point at the same places."""
+    return LONE_SURROGATE.sub("\ufffd", text)
 
 
 def utf16_length(text: str) -> int:
@@ -37,6 +45,8 @@ class Document:
     syntax: treesitter.Syntax | None = None
 
     def __post_init__(self):
+        self.text = clean_text(self.text)
+        self.language_id = clean_text(self.language_id) if self.language_id else self.language_id
         self._line_starts: list[int] | None = None
         language = treesitter.grammar(treesitter.language_id_for(self.language_id, self.uri))
         self.syntax = treesitter.Syntax(language) if language is not None else None
@@ -98,7 +108,7 @@ class Document:
     # --- edits ---------------------------------------------------------------------------------------
     def replace(self, start: int, end: int, new_text: str) -> None:
         """Replace text[start:end], telling the parse tree where (tree-sitter points are in bytes)."""
-        old = self.text
+        old, new_text = self.text, clean_text(new_text)
         if self.syntax is not None:
             start_point = self._byte_point(old, start)
             old_end_point = self._byte_point(old, end)

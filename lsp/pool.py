@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from codespec.drafters import NgramMod
-from codespec.drafters.base import common_prefix
-
 
 class PoolFeed:
     def __init__(self):
@@ -22,6 +19,11 @@ class PoolFeed:
         """documents: (uri, version, text) of the documents that should be in the pool now."""
         if "ngram-mod" not in spec.spec:
             return
+        # imported here, as the engine is: codespec.drafters imports torch, and the server should answer
+        # initialize without waiting for that
+        from codespec.drafters import NgramMod
+        from codespec.drafters.base import common_prefix
+
         pool = engine.shared.pool(spec)
         for uri, version, text in documents:
             view, taught, taught_version = self.views.get(uri, (None, None, None))

@@ -5,30 +5,37 @@ The engine sits behind codespec's Scheduler: one worker thread owns the model an
 by step, so an LSP server and an HTTP server in one process share one model and one n-gram pool, and a
 cancelled request is a cancelled job. Handlers here are small; the work is in completion.py and commands.py.
 
-Bad input never takes the server down: unknown documents and positions that do not exist (UTF-16 offsets past
-the end of a line or of the document) get a JSON-RPC InvalidParams error, malformed params too (pygls alone
-would leave such a request unanswered), and a huge file gets an empty result.
+Bad input never takes the server down, and every request gets an answer: unknown documents and positions that do
+not exist (UTF-16 offsets past the end of a line or of the document) get a JSON-RPC InvalidParams error, malformed
+params too; a body that is not JSON a ParseError; a message that is not JSON-RPC 2.0 and a request after shutdown
+an InvalidRequest; a request before initialize ServerNotInitialized (pygls alone leaves all of these unanswered);
+a huge file gets an empty result. A stream whose framing is broken ends the server (framing.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import asdict
 
 from lsprotocol import types
-from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
+from pygls.exceptions import (JsonRpcException, JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError,
+                              JsonRpcServerNotInitialized)
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 
 from codespec import __version__
 from codespec.config import ModelConfig
+from codespec.errors import CodespecError
 
 from . import commands, settings as settings_module
 from .completion import REQUEST_FAILED, Completer, session_id
 from .documents import Document, Documents, PositionError
+from .framing import CheckedInput
 from .pool import PoolFeed
 from .protocol import COMMANDS, SERVER_NAME, SETTINGS_SECTION, STATS_NOTIFICATION, Settings, Stats
 
@@ -42,12 +49,21 @@ class Malformed:
         self.id, self.error = msg_id, error
 
 
+def request_id(message):
+    """The id to answer a message with: its own when it is a JSON-RPC id (a string or an integer), else null."""
+    msg_id = message.get("id") if isinstance(message, dict) else getattr(message, "id", None)
+    return msg_id if isinstance(msg_id, (str, int)) and not isinstance(msg_id, bool) else None
+
+
 class CodespecProtocol(LanguageServerProtocol):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.cancel_hooks: dict = {}  # request id -> what cancels its work (pygls cannot reach into commands)
+        self.initialize_seen = False
 
     def structure_message(self, data):
+        if isinstance(data, dict) and "jsonrpc" in data and "method" in data:
+            data.setdefault("params", None)  # JSON-RPC lets a message leave params out; pygls' generic types do not
         try:
             return super().structure_message(data)
         except JsonRpcException as error:
@@ -57,10 +73,31 @@ class CodespecProtocol(LanguageServerProtocol):
 
     def handle_message(self, message):
         if isinstance(message, Malformed):
-            self._send_response(message.id, error=JsonRpcInvalidParams(
-                f"malformed params: {message.error.message or 'they do not match the method'}").to_response_error())
+            if request_id(message) is None:
+                self.answer(None, JsonRpcInvalidRequest("the id must be a string or an integer"))
+            else:
+                self.answer(message.id, JsonRpcInvalidParams(
+                    f"malformed params: {message.error.message or 'they do not match the method'}"))
             return
+        if getattr(message, "jsonrpc", None) != self.VERSION:  # a list, a number, an object without "jsonrpc"
+            self.answer(request_id(message), JsonRpcInvalidRequest("not a JSON-RPC 2.0 request or notification"))
+            return
+        method = getattr(message, "method", None)
+        if method is not None and hasattr(message, "id"):  # a request (notifications have no id, answers no method)
+            if method == types.INITIALIZE:
+                self.initialize_seen = True
+            elif not self.initialize_seen:
+                self.answer(message.id, JsonRpcServerNotInitialized(f"{method}: send initialize first"))
+                return
+            elif self._shutdown:
+                self.answer(message.id, JsonRpcInvalidRequest(f"{method}: the server is shutting down"))
+                return
+        elif method is not None and method != types.EXIT and not self.initialize_seen:
+            return  # a notification before initialize is dropped, as the specification asks
         super().handle_message(message)
+
+    def answer(self, msg_id, error: JsonRpcException) -> None:
+        self._send_response(msg_id, error=error.to_response_error())
 
     def _handle_cancel_notification(self, msg_id):
         hook = self.cancel_hooks.pop(msg_id, None)
@@ -113,12 +150,20 @@ class CodespecServer(LanguageServer):
         """The scheduler, once the model is loaded; a RequestFailed error if it could not be."""
         self.start_loading()
         try:
-            return await asyncio.wrap_future(self._loaded)
+            # shielded: VS Code cancels the previous completion on every keystroke, and a cancelled request must
+            # not cancel the load that every request waits for (the server would never complete again)
+            return await asyncio.shield(asyncio.wrap_future(self._loaded))
         except Exception as exc:
             raise JsonRpcException(code=REQUEST_FAILED, message=f"the model could not be loaded: {exc}") from None
 
     def context_length(self) -> int:
         return self._loaded.result().engine.context_length
+
+    def report_server_error(self, error: Exception, source) -> None:
+        if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):  # a message body that is not JSON
+            self.protocol.answer(None, JsonRpcParseError(f"the message is not JSON: {error}"))
+            return
+        super().report_server_error(error, source)
 
     # --- documents and positions -----------------------------------------------------------------------
     def document(self, uri: str) -> Document:
@@ -271,5 +316,8 @@ def serve(model_config: ModelConfig | None = None, model_fixed: bool = False,
     server = build_server(model_config, model_fixed=model_fixed)
     if tcp is not None:
         server.start_tcp(*tcp)
-    else:
-        server.start_io()
+        return
+    stdin = CheckedInput(sys.stdin.buffer)
+    server.start_io(stdin=stdin)
+    if stdin.error is not None:  # exit with status 1 and say why, so the editor restarts the server
+        raise CodespecError(f"the LSP stream is corrupt, so the server stopped: {stdin.error}")

@@ -18,6 +18,7 @@ from pygls.lsp.client import LanguageClient as PyglsClient
 from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
 
 from lsp.protocol import ADD_DOCSTRINGS, COMMANDS, REWRITE_SELECTION, SETTINGS_SECTION, STATS_NOTIFICATION, Settings
+from lsp.server import CodespecServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -42,10 +43,13 @@ def fix_code_action_parsing(client: LanguageClient) -> None:
 async def client(lsp_client: LanguageClient, tiny_dir):
     fix_code_action_parsing(lsp_client)
     lsp_client.applied_edits, lsp_client.stats = [], []
+    lsp_client.hold_edits = None  # an asyncio.Event that workspace/applyEdit waits for before it answers
 
     @lsp_client.feature(types.WORKSPACE_APPLY_EDIT)
-    def apply_edit(params: types.ApplyWorkspaceEditParams):
+    async def apply_edit(params: types.ApplyWorkspaceEditParams):
         lsp_client.applied_edits.append(params)
+        if lsp_client.hold_edits is not None:
+            await lsp_client.hold_edits.wait()
         return types.ApplyWorkspaceEditResult(applied=True)
 
     @lsp_client.feature(STATS_NOTIFICATION)
@@ -237,6 +241,82 @@ async def test_cancel_request_stops_a_command(client: LanguageClient):
         await request
     await until(lambda: client.progress_reports[token][-1].kind == "end")
     assert len(client.applied_edits) == edits_before
+
+
+async def test_cancel_request_while_the_client_applies_the_edit_ends_the_progress(client: LanguageClient):
+    uri = open_document(client, "apply-cancel.py")
+    edits_before, messages_before = len(client.applied_edits), len(client.messages)
+    client.hold_edits = asyncio.Event()
+    try:
+        request = asyncio.ensure_future(client.protocol.send_request_async(
+            types.WORKSPACE_EXECUTE_COMMAND, types.ExecuteCommandParams(
+                command=REWRITE_SELECTION.id, arguments=selection_arguments(uri, (0, 0), (2, 0), instruction="go")),
+            msg_id="apply-cancel"))
+        await until(lambda: len(client.applied_edits) > edits_before)  # the server awaits the client's answer
+        (token,) = [token for token, reports in client.progress_reports.items() if reports[-1].kind != "end"]
+        client.cancel_request(types.CancelParams(id="apply-cancel"))
+        with pytest.raises(JsonRpcRequestCancelled):
+            await request
+        await until(lambda: client.progress_reports[token][-1].kind == "end")
+    finally:
+        client.hold_edits.set()
+        client.hold_edits = None
+    # the client's late answer reached a request that was still pending: no error shown to the user
+    assert (await client.text_document_inline_completion_async(inline_params(uri, 5, 4))).items
+    assert client.messages[messages_before:] == []
+
+
+@pytest.mark.parametrize("delay", [0, 0.002, 0.01, 0.03, 0.1])
+async def test_a_completion_cancelled_at_any_stage_is_answered_and_the_next_one_works(client: LanguageClient,
+                                                                                    delay):
+    """Cancelled before it starts, while the prompt is built, in prefill or in generation, or after it ended."""
+    uri = open_document(client, f"cancel-{delay}.py")
+    request = asyncio.ensure_future(client.protocol.send_request_async(
+        types.TEXT_DOCUMENT_INLINE_COMPLETION, inline_params(uri, 5, 4), msg_id=f"cancel-{delay}"))
+    await asyncio.sleep(delay)
+    client.cancel_request(types.CancelParams(id=f"cancel-{delay}"))
+    try:
+        assert isinstance(await request, types.InlineCompletionList)  # it ended before the cancel arrived
+    except JsonRpcRequestCancelled:
+        pass
+    assert (await client.text_document_inline_completion_async(inline_params(uri, 5, 4))).items
+
+
+@pytest.mark.parametrize("delay", [0, 0.01, 0.05, 0.2])
+async def test_a_command_cancelled_at_any_stage_is_answered_and_the_next_one_works(client: LanguageClient, delay):
+    uri = open_document(client, f"command-cancel-{delay}.py")
+    tokens_before = set(client.progress_reports)
+    arguments = selection_arguments(uri, (0, 0), (2, 0), instruction="rename a to first")
+    request = asyncio.ensure_future(client.protocol.send_request_async(
+        types.WORKSPACE_EXECUTE_COMMAND, types.ExecuteCommandParams(command=REWRITE_SELECTION.id,
+                                                                    arguments=arguments),
+        msg_id=f"command-cancel-{delay}"))
+    await asyncio.sleep(delay)
+    client.cancel_request(types.CancelParams(id=f"command-cancel-{delay}"))
+    try:
+        assert "applied" in await request
+    except JsonRpcRequestCancelled:
+        pass
+    result = await client.workspace_execute_command_async(types.ExecuteCommandParams(
+        command=REWRITE_SELECTION.id, arguments=arguments))
+    assert result["applied"] is True
+    # every progress that began has ended (one whose creation was cancelled never began: nothing shows it)
+    assert all(client.progress_reports[token][-1].kind == "end"
+               for token in set(client.progress_reports) - tokens_before if client.progress_reports[token])
+
+
+async def test_a_request_cancelled_while_the_model_loads_leaves_the_load_alone():
+    """VS Code cancels the previous completion on every keystroke; during the load, that cancelled the load that
+    every request shares, and the server never completed anything again."""
+    server = CodespecServer()
+    server._loading = True  # no load thread: the test ends the load itself
+    waiting = asyncio.ensure_future(server.ready())
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    server._loaded.set_result("the scheduler")
+    assert await server.ready() == "the scheduler"
 
 
 async def raw_request(client, method, params):
