@@ -155,6 +155,29 @@ def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_c
     return best_k
 
 
+def allocate(costs: CostModel, proposals: list[tuple[float, int]], rows: int, generating: int) -> list[int]:
+    """choose() for a batch. A forward over `rows` tokens gives `generating` sessions one token each; each
+    proposal is a drafter's acceptance rate alpha and the draft tokens it offers. Verifying the j-th token of a
+    draft adds one row and alpha^j expected tokens, so for any number of extra rows the best ones are the most
+    likely tokens of all drafts together (each draft's in order, as alpha^j falls with j): take them from the
+    most to the least likely and stop where the batch yields the most tokens per second. Returns the tokens
+    each proposal verifies. Speculating never makes the batch slower than the same batch without drafts, and
+    one proposal with rows = its pending tokens is exactly choose()."""
+    gains = sorted(((alpha ** j, index) for index, (alpha, available) in enumerate(proposals)
+                    for j in range(1, available + 1)), key=lambda gain: -gain[0])  # stable: a draft keeps its order
+    best, best_rate = 0, generating / costs.cost(rows)
+    expected = float(generating)
+    for extra, (gain, _) in enumerate(gains, 1):
+        expected += gain
+        rate = expected / costs.cost(rows + extra)
+        if rate > best_rate:
+            best, best_rate = extra, rate
+    counts = [0] * len(proposals)
+    for _, index in gains[:best]:
+        counts[index] += 1
+    return counts
+
+
 @dataclass
 class Adaptive:
     """One session's acceptance evidence per drafter, and the device's costs."""
@@ -168,10 +191,6 @@ class Adaptive:
     draft_seconds: dict[str, float] = field(default_factory=dict)  # per drafted token, model drafters only
     probe_wait: dict[str, int] = field(default_factory=dict)  # skipped steps before a model drafter's next probe
     probe_countdown: dict[str, int] = field(default_factory=dict)
-
-    def length(self, drafter: str, available: int, pending: int) -> int:
-        """How many of a drafted proposal's tokens to verify (the drafting is paid for by then)."""
-        return choose(self.costs, self.of(drafter).alpha, available, pending)
 
     def draft_limit(self, pending: int):
         """limit(name, available) for Chain.draft: how many tokens a model drafter should draft at all, its

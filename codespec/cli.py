@@ -330,6 +330,10 @@ def run_ngram_cache(args) -> int:
 def run_lsp(args) -> int:
     from lsp.server import serve
 
+    from .memory import return_freed_memory
+
+    return_freed_memory()  # a long-running process: freed buffers go back to the system (memory.py)
+
     tcp = None
     if args.tcp is not None:
         host, _, port = args.tcp.rpartition(":")
@@ -351,8 +355,11 @@ def run_serve(args) -> int:
     import uvicorn
 
     from .engine import Engine
+    from .memory import return_freed_memory
     from .models import DEFAULT_ALIASES, DEFAULT_NAME
     from .server import create_app, uvicorn_options
+
+    return_freed_memory()  # a long-running process: freed buffers go back to the system (memory.py)
 
     model_config, spec, params = settings_from_args(args)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, max_queue=args.max_queue,

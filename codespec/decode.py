@@ -2,16 +2,24 @@
 
 Greedy output is token-for-token the output of plain greedy decoding; sampled output has the target's
 distribution (see sampling.py). Drafters change how many tokens one forward yields, never which.
+
+A step is a generator that asks its driver two things: how many of its draft tokens to verify (`Propose`,
+answered with a count) and the forward itself (`forward.Rows`, answered with the logits). Alone, `drive` answers
+at once; the scheduler collects the requests of every active session and answers them together: one choice of
+draft lengths for the whole batch (adaptive.allocate) and one forward over all of their rows (`forward_batch`).
+Batch size 1 is the same code.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
 
-from .adaptive import Adaptive
+from .adaptive import Adaptive, CostModel, allocate
+from .forward import Rows
 from .sampling import Sampler
 from .session import Session
 from .stats import GenerationStats
@@ -22,14 +30,86 @@ class Step:
     tokens: list[int]  # tokens this step appended to the history
     drafted: int  # draft tokens that were verified
     accepted: int  # of those, tokens the target agreed with
-    forward_seconds: float  # the target forward and the accept decision (which waits for its logits)
+    forward_seconds: float  # the target forward (shared with the other sessions of its batch)
     finished: str | None = None  # "eos" or "length" when generation must stop here
 
 
+@dataclass
+class Propose:
+    """A step's question to its driver: how many of the `available` tokens its drafter proposed to verify,
+    given the session's `pending` tokens that the forward feeds anyway. The answer is an int."""
+
+    adaptive: Adaptive
+    drafter: str
+    available: int
+    pending: int
+
+    @property
+    def alpha(self) -> float:
+        return self.adaptive.of(self.drafter).alpha
+
+
+def verify_lengths(costs: CostModel, proposals: list[Propose], rows: list[Rows]) -> list[int]:
+    """The answers to one batch's proposals: draft lengths chosen together, with the rows that are in the forward
+    anyway (every pending token, prefill chunks)."""
+    base = sum(len(r.ids) for r in rows) + sum(p.pending for p in proposals)
+    generating = sum(r.generating for r in rows) + len(proposals)
+    return allocate(costs, [(p.alpha, p.available) for p in proposals], base, generating)
+
+
+def forward_batch(path, rows: list[Rows], costs: CostModel | None = None) -> list:
+    """One forward over every sequence's rows; each learns how long it took, and so do the measured costs."""
+    started = time.perf_counter()
+    logits = path.batch(rows)
+    seconds = time.perf_counter() - started
+    for r in rows:
+        r.seconds = seconds
+    if costs is not None:
+        costs.observe(sum(len(r.ids) for r in rows), seconds)
+    return logits
+
+
+def drive(steps, path, costs: CostModel | None = None):
+    """Run a step generator alone: answer its proposals and run its forwards at once. Yields what it yields
+    otherwise; returns what it returns."""
+    reply = None
+    with closing(steps):  # a consumer that stops early ends the steps too, between two of them
+        while True:
+            try:
+                item = steps.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(item, Propose):
+                reply = verify_lengths(item.adaptive.costs, [item], [])[0]
+            elif isinstance(item, Rows):
+                reply = forward_batch(path, [item], costs)[0]
+            else:
+                reply = yield item
+
+
+def next_output(steps):
+    """Inside a step generator: pass another step generator's requests up to our driver, return its next
+    output (None once it has ended)."""
+    reply = None
+    while True:
+        try:
+            item = steps.send(reply)
+        except StopIteration:
+            return None
+        if not isinstance(item, (Propose, Rows)):
+            return item
+        try:
+            reply = yield item
+        except GeneratorExit:  # our driver gave up on us while `steps` waited for its answer
+            steps.close()
+            raise
+
+
 def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget: int,
-                     context: int, eos_ids: frozenset[int], adaptive: Adaptive | None = None) -> Step:
-    """One step: at most `budget` new tokens, never past `context` positions or past an EOS.
-    With `adaptive`, only as much of the draft is verified as pays on this device (maybe none)."""
+                     context: int, eos_ids: frozenset[int], adaptive: Adaptive | None = None):
+    """One step (a generator: see the module's doc), returning a Step: at most `budget` new tokens, never past
+    `context` positions or past an EOS. With `adaptive`, only as much of the draft is verified as pays on this
+    device (maybe none)."""
     history = session.history
     room = context - len(history)  # positions left for draft tokens plus the target's own token
     pending = session.pending
@@ -41,19 +121,20 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     verify = len(proposal)
     if adaptive is not None and proposal:
         adaptive.observe_draft(drafter, len(proposal), time.perf_counter() - started - draft.catch_up_seconds)
-        verify = adaptive.length(drafter, len(proposal), len(pending))
+        verify = yield Propose(adaptive, drafter, len(proposal), len(pending))
     drafted = proposal[:verify]  # [k]
     probs = draft.probs[:verify] if drafted and draft.probs is not None else None
 
     # verify: the pending tokens and the draft in one forward
-    started = time.perf_counter()
-    logits = session.path(session.cache, pending + drafted, len(drafted) + 1)  # [k+1, vocab]
+    rows = Rows(session.cache, pending + drafted, len(drafted) + 1, generating=True)
+    try:
+        logits = yield rows  # [k+1, vocab]
+    except GeneratorExit:  # cancelled between the forward and its acceptance: the cache keeps only the history
+        session.crop_cache(len(history))
+        raise
     accepted, next_token = sampler.verify(logits, drafted, probs)
-    forward_seconds = time.perf_counter() - started
-    if adaptive is not None:
-        adaptive.costs.observe(len(pending) + len(drafted), forward_seconds)
-        if proposal:
-            adaptive.observe(drafter, proposal, verify, accepted, next_token)
+    if adaptive is not None and proposal:
+        adaptive.observe(drafter, proposal, verify, accepted, next_token)
 
     # accept the agreeing prefix plus the target's own token; never emit past an EOS or the budget
     new_tokens = drafted[:accepted] + [next_token]
@@ -71,20 +152,27 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     if session.length >= context:
         finished = finished or "length"
     session.chain.accept(session.history, len(drafted), accepted)
-    return Step(new_tokens, len(drafted), accepted, forward_seconds, finished)
+    return Step(new_tokens, len(drafted), accepted, rows.seconds, finished)
 
 
-def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,
-                   max_tokens: int, context: int, eos_ids: frozenset[int],
-                   stats: GenerationStats, adaptive: Adaptive | None = None) -> Iterator[Step]:
-    """Run steps until EOS, max_tokens or the context is full, updating `stats` as it goes."""
+def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,
+                 max_tokens: int, context: int, eos_ids: frozenset[int],
+                 stats: GenerationStats, adaptive: Adaptive | None = None, prefill_chunk: int = 0) -> Iterator[Step]:
+    """Run steps until EOS, max_tokens or the context is full, updating `stats` as it goes. A generator of
+    Steps, with the steps' requests for a driver in between (generate_steps drives it alone). prefill_chunk:
+    the prompt tokens that are not cached yet go in forwards of at most that many (0: with the first step), so
+    a driver can run other sessions' steps in between."""
     started = time.perf_counter()
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = session.prepare(prompt)
+    if prefill_chunk > 0:
+        cold = session.pending[:-1]  # the last prompt token stays pending: the first step needs its logits
+        for start in range(0, len(cold), prefill_chunk):
+            yield Rows(session.cache, cold[start : start + prefill_chunk], 1)
     session.chain.begin(session.history, sampler.params)
     while True:
-        step = speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context, eos_ids,
-                                adaptive)
+        step = yield from speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context,
+                                           eos_ids, adaptive)
         if stats.target_forwards == 0:
             stats.prefill_seconds = time.perf_counter() - started
         stats.target_forwards += 1
@@ -96,3 +184,11 @@ def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_
         yield step
         if step.finished:
             return
+
+
+def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,
+                   max_tokens: int, context: int, eos_ids: frozenset[int],
+                   stats: GenerationStats, adaptive: Adaptive | None = None) -> Iterator[Step]:
+    """decode_steps, alone: its Steps."""
+    return drive(decode_steps(session, prompt, sampler, draft_max, max_tokens, context, eos_ids, stats, adaptive),
+                 session.path, adaptive.costs if adaptive is not None else None)

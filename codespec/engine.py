@@ -11,10 +11,10 @@ from dataclasses import dataclass, field, replace
 
 from .adaptive import Adaptive, CostModel, cached_costs, pinned_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
-from .decode import generate_steps
+from .decode import decode_steps, drive, next_output
 from .drafters import SharedDrafting, build_chain
 from .errors import CodespecError
-from .forward import forward_path
+from .forward import Rows, forward_path
 from .sampling import Sampler
 from .session import Session
 from .stats import GenerationStats
@@ -126,15 +126,25 @@ class Engine:
         """Prefill a session's KV cache with a prompt without generating (llama.vim's `n_predict: 0`), so the next
         request that extends it only feeds the new tokens. A generator: it first yields the prompt tokens reused
         from the session's cache, then the tokens cached after each forward of at most chunk_tokens (0: one
-        forward), so a scheduler can run other requests between the chunks of a long prompt."""
+        forward)."""
+        return self.drive(self.prefill_steps(prompt, session_id, spec, chat, chunk_tokens))
+
+    def prefill_steps(self, prompt: str | list[int], session_id: str | None = None, spec: SpecConfig | None = None,
+                      chat: bool = False, chunk_tokens: int = 0):
+        """`warm` for a driver (decode.py): each chunk is a forward request, so a scheduler runs it in one batch
+        with other sessions' steps."""
         prompt_ids = self.prompt_ids(prompt, chat)
         session = self.session(session_id, spec or self.spec)
         yield session.prepare(prompt_ids)  # a prompt that diverges from the history truncates the drafters here
         pending = session.pending[:-1]  # the last token stays pending: the generation feeds it for its logits
         step = chunk_tokens if chunk_tokens > 0 else max(len(pending), 1)
         for start in range(0, len(pending), step):
-            self.path(session.cache, pending[start : start + step], 1)
+            yield Rows(session.cache, pending[start : start + step], 1)
             yield session.cached
+
+    def drive(self, steps) -> Iterator:
+        """Run a generator of requests (decode.py) alone: each forward at once, on this engine's path."""
+        return drive(steps, self.path, self._costs)
 
     def prompt_ids(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         """The prompt's tokens, checked to be non-empty and to leave room in the context for one more."""
@@ -165,6 +175,14 @@ class Engine:
         """Generate, yielding text as it becomes final; the last chunk carries the result.
         `reference`: the tokens of a text this generation rewrites, for the edit-align drafter.
         `stop_ids`: tokens that end this generation like an EOS (a FIM format's end-of-middle tokens)."""
+        return self.drive(self.stream_steps(prompt, params, session_id, spec, chat, reference, stop_ids))
+
+    def stream_steps(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     session_id: str | None = None, spec: SpecConfig | None = None,
+                     chat: bool = False, reference: list[int] | None = None,
+                     stop_ids: frozenset[int] = frozenset(), prefill_chunk: int = 0):
+        """`stream` for a driver (decode.py): its Chunks, with forward requests in between. prefill_chunk: the
+        uncached prompt goes in forwards of at most that many tokens (0: all with the first step)."""
         params = params or SamplingParams()
         spec = spec or self.spec
         try:
@@ -184,11 +202,11 @@ class Engine:
         adaptive = spec.adaptive and (params.temperature == 0 or params.seed is None)
         if adaptive and session.adaptive is None:
             session.adaptive = Adaptive(self.costs)
-        steps = generate_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
-                               self.context_length, self.eos_token_ids | stop_ids, stats,
-                               session.adaptive if adaptive else None)
+        steps = decode_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
+                             self.context_length, self.eos_token_ids | stop_ids, stats,
+                             session.adaptive if adaptive else None, prefill_chunk)
         finish_reason = "length"
-        for step in steps:
+        while (step := (yield from next_output(steps))) is not None:
             delta, stop_at = text.add(step.tokens)
             if stop_at is not None:
                 # a stop string ended the text: the tokens after the one that completed it are dropped

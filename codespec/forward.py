@@ -18,14 +18,27 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
+from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+
+
+@dataclass
+class Rows:
+    """One sequence's share of a forward: `ids` at positions cache.length.., logits for the last `keep`."""
+
+    cache: object
+    ids: list[int]
+    keep: int
+    generating: bool = False  # the forward yields a token for it (not a prefill chunk)
+    seconds: float = 0.0  # how long the forward it was part of took, once it ran
 
 
 class Linear:
@@ -150,35 +163,49 @@ class LeanLlama:
     @torch.no_grad()
     def __call__(self, cache: StaticCache, input_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         """Forward input_ids at positions cache.length..; returns logits for the last logits_to_keep."""
-        start, count = cache.length, len(input_ids)
-        end = start + count
-        cache.reserve(end)
-        if end > self.rotary.shape[0]:
-            self.rotary = self._rotary(max(end, 2 * self.rotary.shape[0]))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        x = F.embedding(ids, self.embed)  # [q, hidden]
-        rotary = self.rotary[start:end, None, :]  # [q, 1, half]
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        mask = None
-        if count > 1:  # query i sees keys 0..start+i
-            key_positions = torch.arange(end, device=self.device)
-            query_positions = torch.arange(start, end, device=self.device)[:, None]
-            mask = torch.zeros((count, end), dtype=self.dtype, device=self.device)
-            mask.masked_fill_(key_positions > query_positions, float("-inf"))
-        x = self.run_layers(x, cache.keys, cache.values, rotary, mask, start, self.weights, self.packed,
-                            self.eps, heads, kv_heads, dim)
-        cache.length = end
-        x = F.rms_norm(x[count - logits_to_keep :], (self.hidden,), self.norm, self.eps)
-        return self.lm_head(x)  # [logits_to_keep, vocab]
+        return self.batch([Rows(cache, input_ids, logits_to_keep)])[0]
+
+    @torch.no_grad()
+    def batch(self, rows: list["Rows"]) -> list[torch.Tensor]:
+        """Several sequences in one forward, each with its own cache. Their tokens are stacked into one matrix,
+        so every weight is read once for all of them (on a CPU a forward costs about as much as reading the
+        weights); only attention runs per sequence, against its own cache. One sequence is the same code."""
+        starts = [r.cache.length for r in rows]
+        counts = [len(r.ids) for r in rows]
+        ends = [start + count for start, count in zip(starts, counts)]
+        for r, end in zip(rows, ends):
+            r.cache.reserve(end)
+        if max(ends) > self.rotary.shape[0]:
+            self.rotary = self._rotary(max(max(ends), 2 * self.rotary.shape[0]))
+        ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=self.device)
+        x = F.embedding(ids, self.embed)  # [rows, hidden]
+        rotary = torch.cat([self.rotary[start:end] for start, end in zip(starts, ends)])[:, None, :]  # [rows, 1, half]
+        masks: List[Optional[torch.Tensor]] = []
+        for start, count, end in zip(starts, counts, ends):
+            mask = None
+            if count > 1:  # query i sees keys 0..start+i
+                key_positions = torch.arange(end, device=self.device)
+                query_positions = torch.arange(start, end, device=self.device)[:, None]
+                mask = torch.zeros((count, end), dtype=self.dtype, device=self.device)
+                mask.masked_fill_(key_positions > query_positions, float("-inf"))
+            masks.append(mask)
+        x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks, starts,
+                            counts, self.weights, self.packed, self.eps, self.heads, self.kv_heads, self.head_dim)
+        keep = []
+        for r, end, row_end in zip(rows, ends, itertools.accumulate(counts)):
+            r.cache.length = end
+            keep.extend(range(row_end - r.keep, row_end))
+        x = F.rms_norm(x[keep], (self.hidden,), self.norm, self.eps)
+        logits = self.lm_head(x)  # [sum of keep, vocab]
+        return list(logits.split([r.keep for r in rows]))
 
 
-def run_layers(x: torch.Tensor, keys_all: torch.Tensor, values_all: torch.Tensor, rotary: torch.Tensor,
-               mask: Optional[torch.Tensor], start: int, weights: List[torch.Tensor], packed: bool, eps: float,
-               heads: int, kv_heads: int, dim: int) -> torch.Tensor:
-    """Every decoder layer over x [q, hidden] at positions start..start+q-1, writing keys and values into
-    the cache. One plain function (no modules, no hooks) so that TorchScript can run it without Python."""
-    count = x.shape[0]
-    end = start + count
+def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[torch.Tensor], rotary: torch.Tensor,
+               masks: List[Optional[torch.Tensor]], starts: List[int], counts: List[int], weights: List[torch.Tensor],
+               packed: bool, eps: float, heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+    """Every decoder layer over x [rows, hidden]: sequence s has counts[s] rows at positions starts[s].. and
+    its own cache (keys_all[s], values_all[s]), where its keys and values are written. One plain function
+    (no modules, no hooks) so that TorchScript can run it without Python."""
     groups = heads // kv_heads
     hidden = x.shape[1]
     no_scalars: List[Optional[Union[int, float, complex]]] = []
@@ -189,24 +216,34 @@ def run_layers(x: torch.Tensor, keys_all: torch.Tensor, values_all: torch.Tensor
         if packed:
             qkv = torch.ops.mkldnn._linear_pointwise(h, qkv_w, None, "none", no_scalars, "")
         else:
-            qkv = F.linear(h, qkv_w)  # [q, (heads + 2 kv_heads) dim]
-        qk = qkv[:, : (heads + kv_heads) * dim].reshape(count, heads + kv_heads, dim // 2, 2)
+            qkv = F.linear(h, qkv_w)  # [rows, (heads + 2 kv_heads) dim]
+        qk = qkv[:, : (heads + kv_heads) * dim].reshape(x.shape[0], heads + kv_heads, dim // 2, 2)
         if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:  # no complex bf16, and complex32 has few
             # kernels: rotate in float32 (as transformers does) and come back to the model's dtype
             qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rotary).to(qkv.dtype).flatten(2)
         else:
-            qk = torch.view_as_real(torch.view_as_complex(qk) * rotary).flatten(2)  # [q, heads + kv_heads, dim]
-        keys, values = keys_all[index], values_all[index]  # [kv_heads, capacity, dim]
-        keys[:, start:end] = qk[:, heads:].transpose(0, 1)
-        values[:, start:end] = qkv[:, (heads + kv_heads) * dim :].view(count, kv_heads, dim).transpose(0, 1)
-        # grouped-query attention without repeating the cache: the query heads that share a KV head
-        # become rows of one matmul against that head's keys
-        q = qk[:, :heads].reshape(count, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * count, dim)
-        scores = torch.bmm(q, keys[:, :end].transpose(1, 2))  # [kv_heads, groups q, end]
-        if mask is not None:
-            scores = scores.view(kv_heads, groups, count, end).add_(mask).view(kv_heads, groups * count, end)
-        attention = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end])  # [kv_heads, groups q, dim]
-        attention = attention.view(kv_heads, groups, count, dim).permute(2, 0, 1, 3).reshape(count, heads * dim)
+            qk = torch.view_as_real(torch.view_as_complex(qk) * rotary).flatten(2)  # [rows, heads + kv_heads, dim]
+        outputs: List[torch.Tensor] = []
+        row = 0
+        for s in range(len(counts)):
+            start, count = starts[s], counts[s]
+            end = start + count
+            qk_s, v_s = qk[row : row + count], qkv[row : row + count, (heads + kv_heads) * dim :]
+            row += count
+            keys, values = keys_all[s][index], values_all[s][index]  # [kv_heads, capacity, dim]
+            keys[:, start:end] = qk_s[:, heads:].transpose(0, 1)
+            values[:, start:end] = v_s.reshape(count, kv_heads, dim).transpose(0, 1)
+            # grouped-query attention without repeating the cache: the query heads that share a KV head
+            # become rows of one matmul against that head's keys
+            q = qk_s[:, :heads].reshape(count, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(
+                kv_heads, groups * count, dim)
+            scores = torch.bmm(q, keys[:, :end].transpose(1, 2))  # [kv_heads, groups q, end]
+            mask = masks[s]
+            if mask is not None:
+                scores = scores.view(kv_heads, groups, count, end).add_(mask).view(kv_heads, groups * count, end)
+            attention = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end])  # [kv_heads, groups q, dim]
+            outputs.append(attention.view(kv_heads, groups, count, dim).permute(2, 0, 1, 3).reshape(count, heads * dim))
+        attention = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         if packed:
             x = x + torch.ops.mkldnn._linear_pointwise(attention, o_w, None, "none", no_scalars, "")
         else:
@@ -290,6 +327,11 @@ class TransformersForward:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.model.device)  # [1, q]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits[0]
+
+    def batch(self, rows: list[Rows]) -> list[torch.Tensor]:
+        """One forward per sequence: transformers' caches of different lengths do not stack without padding
+        every row and mask, which most architectures' cache classes do not support for rollback."""
+        return [self(r.cache, r.ids, r.keep) for r in rows]
 
 
 def forward_path(model, lean: bool = True):

@@ -1,10 +1,13 @@
 """One worker thread owns the engine; requests from any thread or event loop become jobs it runs step by step.
 
 The engine is not thread-safe, so everything that touches it runs on the worker: generations as jobs, anything
-else (tokenising, reading session state) through `call`. Active jobs take turns, one engine step each (one
-`next()` of `Engine.stream`), so a long refactor slows a short completion down but never holds it back for the
-whole refactor. Jobs on the same session never interleave: the second waits until the first is done, because
-both would rewrite the same history and KV cache.
+else (tokenising, reading session state) through `call`. The worker runs ticks. In a tick every active job
+advances to its next forward (taking in the logits of its last one, handing out its text, drafting), and then
+one forward runs for all of them (decode.py): the draft lengths are chosen for the batch as a whole, and every
+session's rows (a decode step, a verify, a chunk of a prompt) go through the weights together, each against its
+own KV cache. So eight editors cost little more than one, a long refactor slows a short completion down but never
+holds it back, and a cold prompt runs in chunks between other jobs' steps. Jobs on the same session never
+interleave: the second waits until the first is done, because both would rewrite the same history and KV cache.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 
 from .config import ServerConfig
+from .decode import Propose, forward_batch, verify_lengths
+from .forward import Rows
 from .errors import CodespecError
 
 _END = object()  # the last item of every job's output
@@ -44,6 +49,7 @@ class Job:
         self.finished_at: float | None = None
         self._scheduler = scheduler
         self._stream = None  # the engine's generator, created on the worker
+        self._reply = None  # the answer to the last request it made (decode.py), sent when it next runs
         self._items: list = []
         self._cond = threading.Condition()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
@@ -131,7 +137,9 @@ class Scheduler:
         self._calls: deque[tuple[Callable, tuple, dict, Future]] = deque()
         self._cond = threading.Condition()
         self._closed = False
-        self.steps = 0  # engine steps run, all jobs together
+        self.steps = 0  # items jobs have produced, all jobs together
+        self.ticks = 0  # batched forwards run
+        self.batched_ticks = 0  # of those, forwards over more than one job's rows
         self._thread = threading.Thread(target=self._run, name="codespec-engine", daemon=True)
         self._thread.start()
 
@@ -153,8 +161,9 @@ class Scheduler:
     def submit(self, prompt, params=None, session_id: str | None = None, spec=None, chat: bool = False,
                **options) -> Job:
         """Queue a generation; options go to engine.stream unchanged. Raises QueueFull when the queue is full."""
-        def steps(engine):
-            return engine.stream(prompt, params, session_id=session_id, spec=spec, chat=chat, **options)
+        def steps(engine):  # a cold prompt goes in chunks, each batched with the other jobs' steps
+            return engine.stream_steps(prompt, params, session_id=session_id, spec=spec, chat=chat,
+                                       prefill_chunk=ServerConfig.prefill_chunk, **options)
 
         return self.submit_steps(steps, session_id=session_id)
 
@@ -218,11 +227,83 @@ class Scheduler:
                     # only jobs that wait for nothing but a cancellation or a slot: sleep until something changes
                     self._cond.wait(timeout=0.05)
                     continue
-            self._run_calls()
-            for job in turn:
-                self._run_calls()  # calls (cheap: tokenising, reading state) go ahead of the next step
-                self._step(job)
+            self._run_calls()  # calls (cheap: tokenising, reading state) go ahead of the next tick
+            self._tick(turn)
         self._shutdown()
+
+    def _tick(self, turn: list[Job]) -> None:
+        """Every job up to its next request, the batch's draft lengths, one forward for all."""
+        waiting = {}
+        for job in turn:
+            request = self._advance(job)
+            if request is not None:
+                waiting[job] = request
+        proposing = [job for job, request in waiting.items() if isinstance(request, Propose)]
+        if proposing:
+            rows = [request for request in waiting.values() if isinstance(request, Rows)]
+            lengths = verify_lengths(self.engine.costs, [waiting[job] for job in proposing], rows)
+            for job, length in zip(proposing, lengths):
+                job._reply = length
+                request = self._advance(job)  # its verify forward
+                if request is None:
+                    del waiting[job]
+                else:
+                    waiting[job] = request
+        if not waiting:
+            return
+        jobs = list(waiting)
+        try:
+            logits = forward_batch(self.engine.path, [waiting[job] for job in jobs], self.engine._costs)
+        except Exception as exc:  # not one job's fault: every job in the forward ends with the error
+            for job in jobs:
+                self._fail(job, exc)
+            return
+        for job, rows in zip(jobs, logits):
+            job._reply = rows
+        self.ticks += 1
+        self.batched_ticks += len(jobs) > 1
+
+    def _advance(self, job: Job):
+        """Run the job until it asks the engine for something (a Propose or Rows, returned) or ends (None). Items
+        it yields on the way go to its consumer. A generation yields at most one item between two requests, so a
+        second one means a job that asks the engine for nothing: its turn ends there (None), and calls and other
+        jobs go next."""
+        items = 0
+        while True:
+            if items > 1:
+                return None
+            if job.cancelled:
+                self._retire(job)
+                return None
+            try:
+                if job._stream is None:
+                    job._stream = iter(job._make_steps(self.engine))
+                    item = next(job._stream)
+                else:
+                    reply, job._reply = job._reply, None
+                    item = job._stream.send(reply)
+            except StopIteration:
+                self._retire(job)
+                return None
+            except Exception as exc:  # the consumer re-raises it: CodespecError is the client's, others are bugs
+                self._fail(job, exc)
+                return None
+            if isinstance(item, (Propose, Rows)):
+                return item
+            self.steps += 1
+            items += 1
+            result = getattr(item, "result", None)
+            if result is not None:
+                job.result = result
+            job._push(item)
+            if result is not None:
+                self._retire(job)
+                return None
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        job.error = exc
+        job._push(exc)
+        self._retire(job)
 
     def _admit(self) -> None:
         """Move waiting jobs to the active list, in order, skipping those whose session is busy.
@@ -254,30 +335,6 @@ class Scheduler:
                 future.set_result(fn(self.engine, *args, **kwargs))
             except BaseException as exc:  # handed to the caller, who decides what it means
                 future.set_exception(exc)
-
-    def _step(self, job: Job) -> None:
-        if job.cancelled:
-            self._retire(job)
-            return
-        try:
-            if job._stream is None:
-                job._stream = iter(job._make_steps(self.engine))
-            chunk = next(job._stream)
-            self.steps += 1
-        except StopIteration:
-            self._retire(job)
-            return
-        except Exception as exc:  # the consumer re-raises it: CodespecError is the client's, others are bugs
-            job.error = exc
-            job._push(exc)
-            self._retire(job)
-            return
-        result = getattr(chunk, "result", None)
-        if result is not None:
-            job.result = result
-        job._push(chunk)
-        if result is not None:
-            self._retire(job)
 
     def _retire(self, job: Job) -> None:
         if job._stream is not None:

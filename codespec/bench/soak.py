@@ -50,9 +50,6 @@ THINK_SECONDS = (0.5, 2.0)  # an editor waits this long (uniform) between its re
 CHAT_SHARE = 0.03  # share of an editor's requests that are a chat question instead of an /infill
 RING_SHARE = 0.15  # share of line changes that refresh the ring (followed by a cache-warming request)
 LSP_SECONDS = 5.0  # the language server client asks for an inline completion this often
-# the server starts through this, so that the allocator is set up as cli.py should (see codespec/memory.py)
-BOOT = ("import sys; from codespec.memory import return_freed_memory; return_freed_memory(); "
-        "from codespec.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def module_lines(name: str) -> list[str]:
@@ -269,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.malloc == "glibc":
         env["CODESPEC_MMAP_THRESHOLD"] = "0"
     port = free_port()
-    command = [sys.executable, "-c", BOOT, "serve", "--port", str(port), "--session-memory",
+    command = [sys.executable, "-m", "codespec", "serve", "--port", str(port), "--session-memory",
                str(args.session_memory), *args.server_arg]
     server = subprocess.Popen(command, env=env)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
@@ -295,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             own = httpx.Client(base_url=client.base_url, timeout=300)
             threads.append(threading.Thread(target=editor.run, args=(own, log, stop), daemon=True))
         if not args.no_lsp:
-            lsp_server = [sys.executable, "-c", BOOT, "lsp"]
+            lsp_server = [sys.executable, "-m", "codespec", "lsp"]
             threads.append(threading.Thread(target=lsp_client, args=(log, stop, lsp_server, lsp_pid), daemon=True))
         for thread in threads:
             thread.start()

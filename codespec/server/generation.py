@@ -21,12 +21,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..config import SamplingParams, ServerConfig, SpecConfig
+from ..decode import next_output
 from ..errors import CodespecError
+from ..forward import Rows
 from ..stats import GenerationStats
 from .postprocess import OutputFilter
 
 MIN_REUSE = 8  # shared prompt tokens that make a slot worth reusing over an empty one
-PREFILL = object()  # a job's item for one prefill chunk: a turn for the others, nothing to send
 
 
 @dataclass
@@ -190,20 +191,24 @@ class Generations:
         return max(idle, key=score), False
 
     def _steps(self, engine, run: Run):
-        """The job: prefill in chunks (a turn for other jobs between them), then generate."""
+        """The job: prefill in chunks, then generate. Each chunk and each step is a forward request that the
+        scheduler runs in one batch with the other jobs' (decode.py)."""
         plan = run.plan
         run.steps_started = time.perf_counter()
         try:
             if run.prompt.ids:
-                warm = engine.warm(run.prompt.ids, run.session_id, plan.spec, chunk_tokens=self.config.prefill_chunk)
+                warm = engine.prefill_steps(run.prompt.ids, run.session_id, plan.spec,
+                                            chunk_tokens=self.config.prefill_chunk)
                 run.cached = next(warm)
-                for _ in warm:
-                    yield PREFILL
+                for item in warm:
+                    if isinstance(item, Rows):
+                        yield item  # no logits come back for a prefill: its keys and values are what it is for
             run.prefill_done = time.perf_counter()
             if plan.warm_only:
                 return
-            for chunk in engine.stream(run.prompt.ids, plan.params, session_id=run.session_id, spec=plan.spec,
-                                       stop_ids=run.prompt.stop_ids):
+            steps = engine.stream_steps(run.prompt.ids, plan.params, session_id=run.session_id, spec=plan.spec,
+                                        stop_ids=run.prompt.stop_ids)
+            while (chunk := (yield from next_output(steps))) is not None:
                 if chunk.result is not None and chunk.result.finish_reason == "stop":
                     said = engine.tokenizer.decode(chunk.result.tokens, skip_special_tokens=True)
                     run.stopping_word = next((s for s in plan.params.stop if s and s in said), "")
@@ -218,8 +223,6 @@ class Generations:
         items = run.job.__aiter__()
         try:
             async for item in items:
-                if item is PREFILL:
-                    continue
                 if run.first_token_at is None:
                     run.first_token_at = time.perf_counter()
                     self.metrics.first_token.labels(run.plan.route).observe(run.first_token_at - run.arrived)

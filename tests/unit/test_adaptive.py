@@ -228,18 +228,18 @@ def test_a_drafter_that_never_matches_is_switched_off_within_a_few_steps(model):
 def test_greedy_output_does_not_depend_on_the_draft_lengths_timing_picks(engine, monkeypatch, seed):
     """Adaptive lengths follow the machine's timing, which varies run to run; greedy output must not. Here the
     lengths are random at every step (as the most erratic timing could make them) and compared with plain."""
-    import codespec.adaptive
+    import codespec.decode
 
     rng = np.random.default_rng(seed)
     prompt = list(rng.integers(1, 300, 20)) * 3
     plain = engine.generate(prompt, SamplingParams(max_tokens=60), spec=SpecConfig(spec=("none",)))
     lengths = []
 
-    def erratic(costs, alpha, available, pending, draft_cost=0.0):
-        lengths.append(int(rng.integers(0, available + 1)))
-        return lengths[-1]
+    def erratic(costs, proposals, rows, generating):
+        lengths.extend(int(rng.integers(0, available + 1)) for _, available in proposals)
+        return lengths[-len(proposals):]
 
-    monkeypatch.setattr(codespec.adaptive, "choose", erratic)
+    monkeypatch.setattr(codespec.decode, "allocate", erratic)
     for chain in (("prompt-lookup",), ("ngram-mod", "prompt-lookup"), ("ngram-map-k",)):
         result = engine.generate(prompt, SamplingParams(max_tokens=60), spec=SpecConfig(spec=chain, ngram_min=1))
         assert result.tokens == plain.tokens, chain

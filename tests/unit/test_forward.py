@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from codespec.forward import LeanLlama, Linear, TransformersForward, forward_path
+from codespec.forward import LeanLlama, Linear, Rows, TransformersForward, forward_path
 from tests.tiny import tiny_model
 
 
@@ -92,3 +92,23 @@ def test_layers_run_under_torchscript_and_match_the_interpreted_function(model, 
     scripted = lean(lean.new_cache(), prompt, 3)
     monkeypatch.setattr(lean, "run_layers", forward.run_layers)
     assert torch.equal(lean(lean.new_cache(), prompt, 3), scripted)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_batch_of_sequences_gives_each_the_logits_it_gets_alone(model, lean):
+    """Three sessions at different lengths (a prefill chunk, a one-token decode, a verify) in one forward."""
+    path = LeanLlama(model) if lean else TransformersForward(model)
+    prompts = [list(range(3, 40)), [5, 6, 7], list(range(50, 60))]
+    fed = [[41, 42, 43, 44], [8], [61, 62, 63, 64, 65]]
+    alone, together = [path.new_cache() for _ in prompts], [path.new_cache() for _ in prompts]
+    for prompt, one, other in zip(prompts, alone, together):
+        path(one, prompt, 1)
+        path(other, prompt, 1)
+    expected = [path(cache, ids, len(ids)) for cache, ids in zip(alone, fed)]
+    batched = path.batch([Rows(cache, ids, len(ids)) for cache, ids in zip(together, fed)])
+    for want, got, one, other in zip(expected, batched, alone, together):
+        assert_close(got, want, 1e-10)  # float64: the same numbers up to summation order
+        assert one.length == other.length
+    # and the caches hold the same keys: the next forward agrees too
+    for one, other in zip(alone, together):
+        assert_close(path(other, [9], 1), path(one, [9], 1), 1e-10)

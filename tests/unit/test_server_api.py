@@ -308,15 +308,17 @@ def test_empty_response_fields_return_the_whole_body(server):
 
 def break_generation(monkeypatch, engine, after_chunks: int):
     """The engine raises a bug's exception after yielding `after_chunks` chunks of a generation."""
-    original = engine.stream
+    from codespec.decode import next_output
 
-    def stream(*args, **kwargs):
-        chunks = original(*args, **kwargs)
+    original = engine.stream_steps
+
+    def stream_steps(*args, **kwargs):
+        steps = original(*args, **kwargs)
         for _ in range(after_chunks):
-            yield next(chunks)
+            yield (yield from next_output(steps))
         raise RuntimeError("a bug in the engine")
 
-    monkeypatch.setattr(engine, "stream", stream)
+    monkeypatch.setattr(engine, "stream_steps", stream_steps)
 
 
 def test_an_internal_error_is_a_json_500_and_the_server_goes_on(monkeypatch, engine, server):
