@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -127,3 +128,25 @@ def test_shared_pool_across_sessions_on_the_default_model(default_engine):
     result = engine.generate(prompt, params, session_id="C", spec=chain)
     assert result.tokens == plain.tokens
     assert [d.name for d in result.stats.drafters] == ["prompt-lookup", "ngram-mod", "draft"]
+
+
+def test_a_batched_run_is_token_identical_to_each_request_alone(default_engine):
+    """Four requests decoded together by the scheduler (one forward for all of their rows) in float32."""
+    from codespec.scheduler import Scheduler
+
+    params = SamplingParams(max_tokens=48)
+    work = [(prompt, chat) for prompt, chat in PROMPTS.values()] + [("def fibonacci(n):", False)]
+    alone = [default_engine.generate(prompt, params, chat=chat).tokens for prompt, chat in work]
+    scheduler = Scheduler(default_engine)
+    gate, inside = threading.Event(), threading.Event()
+    threading.Thread(target=scheduler.call, args=(lambda engine: inside.set() or gate.wait(30),), daemon=True).start()
+    try:
+        inside.wait(30)  # the worker is held, so all four start in the same tick
+        jobs = [scheduler.submit(prompt, params, chat=chat) for prompt, chat in work]
+        gate.set()
+        results = [job.wait() for job in jobs]
+        assert [result.tokens for result in results] == alone
+        # the jobs' forwards were shared: fewer forwards ran than the jobs made
+        assert scheduler.batched_ticks > 0 and scheduler.ticks < sum(r.stats.target_forwards for r in results)
+    finally:
+        scheduler.close()

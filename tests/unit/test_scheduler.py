@@ -46,6 +46,23 @@ def test_concurrent_jobs_equal_sequential_generation(engine, scheduler):
     jobs = [scheduler.submit(p, PARAMS) for p in batch]
     assert [job.wait().tokens for job in jobs] == expected
     assert scheduler.active == scheduler.queued == 0
+    assert scheduler.batched_ticks > 0  # their steps really shared forwards
+
+
+def test_jobs_with_different_drafters_and_a_cold_prompt_batch_together_and_match_alone(engine, scheduler):
+    from codespec.config import SpecConfig
+
+    rng = np.random.default_rng(11)
+    work = [(random_prompt(rng, 40, repetitive=True), SpecConfig(spec=("prompt-lookup",), ngram_min=1)),
+            (random_prompt(rng, 300, repetitive=False), SpecConfig(spec=("none",))),  # prefilled in chunks
+            (random_prompt(rng, 60, repetitive=True), SpecConfig(spec=("ngram-mod", "prompt-lookup"))),
+            (random_prompt(rng, 20, repetitive=False), SpecConfig(spec=("ngram-map-k",), ngram_min=1))]
+    expected = [engine.generate(p, PARAMS, spec=spec).tokens for p, spec in work]
+    gate = block_worker(scheduler)  # all four start in the same tick
+    jobs = [scheduler.submit(p, PARAMS, spec=spec) for p, spec in work]
+    gate.set()
+    assert [job.wait().tokens for job in jobs] == expected
+    assert scheduler.batched_ticks >= 8
 
 
 def test_async_iteration_streams_the_same_text(engine, scheduler):
