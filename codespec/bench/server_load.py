@@ -113,23 +113,40 @@ def throughput(client, bodies, n_predict: int, clients: int, rounds: int, concur
     for index in range(clients):
         infill(client, {**bodies[index], "n_predict": 0, "session": f"client-{index}"})
 
-    def session(index: int) -> tuple[int, int]:
-        body, generated, computed = dict(bodies[index]), 0, 0
+    def session(index: int) -> tuple[int, int, list[float]]:
+        body, generated, computed, latencies = dict(bodies[index]), 0, 0, []
         for _ in range(rounds):
             result = infill(client, {**body, "n_predict": n_predict, "session": f"client-{index}"})
             generated += result["tokens_predicted"]
             computed += result["tokens_evaluated"] - result["tokens_cached"]
+            latencies.append(result["seconds"])
             body["prompt"] += result["content"].split("\n")[0]
-        return generated, computed
+        return generated, computed, latencies
 
+    before = forwards(client)
     started = time.perf_counter()
     with ThreadPoolExecutor(clients if concurrent else 1) as pool:
         totals = list(pool.map(session, range(clients)))
     seconds = time.perf_counter() - started
+    after = forwards(client)
     generated, computed = sum(t[0] for t in totals), sum(t[1] for t in totals)
+    latencies = [s for t in totals for s in t[2]]
+    ticks = after[0] - before[0]
     return {"clients": clients if concurrent else 1, "sessions": clients, "requests": clients * rounds,
             "tokens": generated, "prompt_tokens_computed": computed, "seconds": round(seconds, 2),
-            "tokens_per_second": round(generated / seconds, 2)}
+            "tokens_per_second": round(generated / seconds, 2),
+            "p50_s": round(statistics.median(latencies), 3), "p95_s": round(percentile(latencies, 0.95), 3),
+            "forwards": ticks, "shared_forward_share": round((after[1] - before[1]) / ticks, 3) if ticks else None}
+
+
+def forwards(client) -> tuple[float, float]:
+    """The server's forwards so far, and those over more than one generation (its /metrics)."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        for name in ("codespec_batched_forwards", "codespec_shared_forwards"):
+            if line.startswith(name + " "):
+                values[name] = float(line.split()[-1])
+    return values.get("codespec_batched_forwards", 0.0), values.get("codespec_shared_forwards", 0.0)
 
 
 def summary(results: list[dict]) -> dict:
@@ -150,7 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="timed /infill requests per mode")
     parser.add_argument("--n-predict", type=int, default=64)
     parser.add_argument("--prefix-lines", type=int, default=128, help="lines before the cursor (llama.vim: 256)")
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", default="1,2,4,8,16", help="client counts for the throughput runs, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="requests per session in the throughput run")
     parser.add_argument("--phases", default="latency,throughput", help="which measurements to run")
     parser.add_argument("--out", default="bench-results/server-load.json")
@@ -164,12 +181,15 @@ def main(argv=None) -> int:
             with serve(args.url, args.serve_args) as client:
                 report[mode] = summary(latency(client, bodies, args.n_predict, warm=mode == "warm"))
     if "throughput" in phases:
-        for mode, concurrent in (("one_client", False), ("concurrent", True)):
+        counts = [int(n) for n in str(args.clients).split(",")]
+        runs = [("one_client", max(counts), False)] + [(f"concurrent_{n}", n, True) for n in counts]
+        for mode, clients, concurrent in runs:
             with serve(args.url, args.serve_args) as client:  # a fresh server each: the same pool state to start
                 infill(client, {**bodies[-1], "n_predict": 4})  # first-request costs (cost model) out of the way
-                report[mode] = throughput(client, bodies, args.n_predict, args.clients, args.rounds, concurrent)
+                report[mode] = throughput(client, bodies, args.n_predict, clients, args.rounds, concurrent)
                 report[f"{mode}_acceptance"] = [line for line in client.get("/metrics").text.splitlines()
                                                 if line.startswith("codespec_draft_acceptance_ratio")]
+            print(f"  {mode}: {report[mode]}", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
@@ -177,9 +197,16 @@ def main(argv=None) -> int:
         cold, warm = report["cold"], report["warm"]
         print(f"/infill {args.n_predict} tokens: cold p50 {cold['p50_s']} s p95 {cold['p95_s']} s; "
               f"warm p50 {warm['p50_s']} s p95 {warm['p95_s']} s", file=sys.stderr)
-    if "concurrent" in report:
-        print(f"throughput: {report['concurrent']['tokens_per_second']} tok/s with {args.clients} clients at once vs "
-              f"{report['one_client']['tokens_per_second']} tok/s one after the other", file=sys.stderr)
+    if "one_client" in report:
+        alone = report["one_client"]
+        print(f"one client doing all {alone['sessions']} sessions' work: {alone['tokens_per_second']} tok/s, "
+              f"p50 {alone['p50_s']} s, p95 {alone['p95_s']} s", file=sys.stderr)
+        print("clients  tok/s  vs one client  p50 s  p95 s  p95 vs one  shared forwards", file=sys.stderr)
+        for n in counts:
+            run = report[f"concurrent_{n}"]
+            print(f"{n:7d} {run['tokens_per_second']:6.1f} {run['tokens_per_second'] / alone['tokens_per_second']:13.2f}x"
+                  f" {run['p50_s']:6.2f} {run['p95_s']:6.2f} {run['p95_s'] / alone['p95_s']:10.2f}x"
+                  f" {run['shared_forward_share']}", file=sys.stderr)
     return 0
 
 

@@ -36,6 +36,12 @@ class Metrics:
         queue.set_function(lambda: scheduler.queued)
         active = Gauge("codespec_active_generations", "generations taking turns on the engine", registry=registry)
         active.set_function(lambda: scheduler.active)
+        ticks = Gauge("codespec_batched_forwards", "forwards the scheduler ran, each for every active generation",
+                      registry=registry)
+        ticks.set_function(lambda: scheduler.ticks)
+        shared = Gauge("codespec_shared_forwards", "of those, forwards over more than one generation's rows",
+                       registry=registry)
+        shared.set_function(lambda: scheduler.batched_ticks)
         self.sessions = Gauge("codespec_sessions", "named sessions held", registry=registry)
         self.session_bytes = Gauge("codespec_session_cache_bytes", "KV-cache bytes held by named sessions",
                                    registry=registry)
