@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 
+import httpx
 import uvicorn
 
 
@@ -43,3 +47,27 @@ def sse_events(response) -> list:
             data = line.removeprefix("data: ")
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def start_codespec_serve(port: int) -> tuple[subprocess.Popen, httpx.Client]:
+    """A real `codespec serve` process on the default model in float32 (no API key), once it answers /health."""
+    env = {**os.environ, "CODESPEC_API_KEY": ""}
+    process = subprocess.Popen([sys.executable, "-m", "codespec", "serve", "--port", str(port), "--dtype", "float32"],
+                               stderr=subprocess.PIPE, text=True, env=env)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            if client.get("/health").status_code == 200:
+                return process, client
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -52,6 +52,22 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
+def wait_until_healthy(process: subprocess.Popen, client: httpx.Client, seconds: float = 600) -> None:
+    """Wait for a `codespec serve` we started to answer /health (the model may be converted first)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if process.poll() is not None:
+            raise SystemExit("codespec serve exited")
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("codespec serve did not come up")
+        time.sleep(0.2)
+
+
 @contextmanager
 def serve(url: str | None, extra_args: list[str]):
     """An existing server at `url`, or a fresh `codespec serve` on a free port."""
@@ -64,18 +80,7 @@ def serve(url: str | None, extra_args: list[str]):
     process = subprocess.Popen([sys.executable, "-m", "codespec", "serve", "--port", str(port), *extra_args])
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise SystemExit("codespec serve exited")
-            try:
-                if client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("codespec serve did not come up")
-            time.sleep(0.2)
+        wait_until_healthy(process, client)
         yield client
     finally:
         client.close()

@@ -39,6 +39,7 @@ import httpx
 import psutil
 
 from ..config import SESSION_MEMORY
+from .server_load import wait_until_healthy
 
 MODULES = ("textwrap", "json.decoder", "argparse", "difflib", "csv", "shlex", "calendar", "heapq", "string",
            "fractions", "statistics", "tokenize", "pprint", "configparser", "ast", "dataclasses")
@@ -273,18 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     log, stop, lsp_pid = Log(), threading.Event(), []
     threads = []
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                raise SystemExit("codespec serve exited")
-            try:
-                if client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("codespec serve did not come up")
-            time.sleep(0.5)
+        wait_until_healthy(server, client)
         model = client.get("/v1/models").json()["data"][0]["id"]
         started = time.monotonic()
         for index in range(args.editors):

@@ -328,10 +328,13 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
              responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def prometheus():
         def read(engine):
-            return len(engine.sessions), sum(session_bytes(s) for s in engine.sessions.values())
-        count, total = await scheduler.acall(read)
+            pools = list(engine.shared.pools.values())
+            return (len(engine.sessions), sum(session_bytes(s) for s in engine.sessions.values()),
+                    max((pool.occupancy for pool in pools), default=0.0))
+        count, total, occupancy = await scheduler.acall(read)
         metrics.sessions.set(count)
         metrics.session_bytes.set(total)
+        metrics.pool_occupancy.set(occupancy)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # the last added runs first: metrics see every answer (403, 401 and 413 too); a web page's requests are refused

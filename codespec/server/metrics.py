@@ -42,6 +42,8 @@ class Metrics:
         shared = Gauge("codespec_shared_forwards", "of those, forwards over more than one generation's rows",
                        registry=registry)
         shared.set_function(lambda: scheduler.batched_ticks)
+        self.pool_occupancy = Gauge("codespec_pool_occupancy", "share of the shared ngram-mod pool's slots in use",
+                                    registry=registry)
         self.sessions = Gauge("codespec_sessions", "named sessions held", registry=registry)
         self.session_bytes = Gauge("codespec_session_cache_bytes", "KV-cache bytes held by named sessions",
                                    registry=registry)

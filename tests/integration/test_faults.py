@@ -1,47 +1,21 @@
 """`codespec serve` killed with SIGKILL in the middle of a stream, then started again on the same port and home: it
 serves at once, and greedy output is what it was before the kill."""
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+
+from tests.serving import free_port, start_codespec_serve
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "# Python: the greatest common divisor\ndef gcd(a, b):\n"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start(port: int) -> tuple[subprocess.Popen, httpx.Client]:
-    env = {**os.environ, "CODESPEC_API_KEY": ""}
-    process = subprocess.Popen([sys.executable, "-m", "codespec", "serve", "--port", str(port), "--dtype", "float32"],
-                               stderr=subprocess.PIPE, text=True, env=env)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, process.stderr.read()
-        try:
-            if client.get("/health").status_code == 200:
-                return process, client
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
-
-
 def test_sigkill_mid_stream_then_restart_serves_the_same_greedy_output():
     port = free_port()
-    process, client = start(port)
+    process, client = start_codespec_serve(port)
     try:
         before = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 32}).json()["choices"][0]["text"]
         long = {"prompt": PROMPT, "max_tokens": 2000, "stream": True, "session": "editor"}
@@ -56,7 +30,7 @@ def test_sigkill_mid_stream_then_restart_serves_the_same_greedy_output():
         process.kill()
         process.stderr.close()
 
-    process, client = start(port)  # same port, same $CODESPEC_HOME (model and cost caches)
+    process, client = start_codespec_serve(port)  # same port, same $CODESPEC_HOME (model and cost caches)
     try:
         again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 32, "session": "editor"})
         assert again.status_code == 200

@@ -1,19 +1,16 @@
 """`codespec serve` on the default model, as a user runs it: a subprocess on a loopback port, driven with httpx."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from codespec.config import SamplingParams
 from codespec.context.fim import detect_fim, fim_prompt, trim_to_suffix
-from tests.serving import sse_events
+from tests.serving import free_port, sse_events, start_codespec_serve
 
 pytestmark = pytest.mark.integration
 
@@ -22,29 +19,9 @@ SUFFIX = "\n\ndef median(values):\n    ordered = sorted(values)\n"
 EXTRA = [("stats/util.py", "def clamp(x, low, high):\n    return max(low, min(x, high))\n")]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    env = {**os.environ, "CODESPEC_API_KEY": ""}
-    process = subprocess.Popen([sys.executable, "-m", "codespec", "serve", "--port", str(port), "--dtype", "float32"],
-                               stderr=subprocess.PIPE, text=True, env=env)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, process.stderr.read()
-        try:
-            if client.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
+    process, client = start_codespec_serve(free_port())
     yield client
     client.close()
     process.terminate()

@@ -367,8 +367,12 @@ def test_models_metrics_and_openapi(server):
     for name in ("codespec_requests_total", "codespec_generated_tokens_total", "codespec_queue_depth",
                  "codespec_request_seconds_bucket", "codespec_time_to_first_token_seconds_bucket",
                  'codespec_draft_tokens_total{drafter="prompt-lookup"}', "codespec_draft_acceptance_ratio",
-                 "codespec_sessions", "codespec_session_cache_bytes"):
+                 "codespec_sessions", "codespec_session_cache_bytes", "codespec_batched_forwards",
+                 "codespec_shared_forwards"):
         assert name in text, name
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["codespec_batched_forwards"] >= 8  # the completion's forwards ran through the batched tick
+    assert 0 < values["codespec_pool_occupancy"] < 1  # the default chain's ngram-mod pool learnt the prompt
     spec = server.get("/openapi.json").json()
     validate(spec)
     assert {"/infill", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics",
