@@ -137,8 +137,10 @@ def run_bench(engine: Engine, workloads: list[Workload], configs: list[Config], 
               turns: int = 5, progress=None) -> list[Row]:
     rows = {(w.name, c.name): Row(w, c.name) for w in workloads for c in configs}
     for workload in workloads:
-        for _ in range(repeats):  # interleaved, so drift in machine speed hits every config alike
-            for config in configs:
+        for round_ in range(repeats):  # interleaved, so drift in machine speed hits every config alike
+            # and each round starts one config later: what running after another config costs (the memory it left,
+            # the caches it filled) falls on a different config each round instead of always on the same one
+            for config in configs[round_ % len(configs):] + configs[:round_ % len(configs)]:
                 rows[(workload.name, config.name)].runs.append(run_workload(engine, workload, config, max_tokens, turns))
                 if progress is not None:
                     progress.update()
