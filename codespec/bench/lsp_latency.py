@@ -202,30 +202,76 @@ async def rewrite_speed(client: Client, repeats: int) -> dict:
             "prompt_tokens": runs[("none",)][0][1]["prompt_tokens"], "repeats": repeats, "rows": rows}
 
 
+async def contention(client: Client, requests: int = 8) -> dict:
+    """A 32-token block completion alone, then while a rewrite command (plain decoding, so it runs long) of another
+    document is generating in the same process: the completion's p50 both ways."""
+    text, lines = typing_document()
+    uri = "file:///bench/contended.py"
+    client.open(uri, text)
+    line = text.count("\n")
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    client.insert(uri, line, 0, lines[0][:indent])
+    await client.complete(uri, line, indent)  # the document's prompt is cached from here on
+
+    async def block_latencies() -> list[float]:
+        return [(await client.complete(uri, line, indent))[0] for _ in range(requests)]
+
+    alone = await block_latencies()
+    module, qualname, instruction = REWRITE
+    source = stdlib_source(module, qualname)
+    client.configure(command_spec=["none"])
+    client.open("file:///bench/contender.py", source)
+    rewrite = asyncio.ensure_future(client.lsp.workspace_execute_command_async(types.ExecuteCommandParams(
+        command="codespec.rewriteSelection",
+        arguments=[{"uri": "file:///bench/contender.py", "range": {"start": {"line": 0, "character": 0},
+                                                                   "end": {"line": source.count("\n"), "character": 0}},
+                    "instruction": instruction}])))
+    await asyncio.sleep(2.0)  # the rewrite has its prompt computed and is decoding
+    during = await block_latencies()
+    still_running = not rewrite.done()
+    await rewrite
+    client.close(uri)
+    p50_alone, p50_during = statistics.median(alone), statistics.median(during)
+    return {"requests": requests, "alone_p50_ms": round(1000 * p50_alone, 1),
+            "during_rewrite_p50_ms": round(1000 * p50_during, 1), "ratio": round(p50_during / p50_alone, 2),
+            "rewrite_still_running_after": still_running}
+
+
 def decode_seconds(stats: dict) -> float:
     return max(stats["seconds"] - stats["prefill_seconds"], 1e-9)
 
 
 def format_report(data: dict) -> str:
-    typing, rewrite = data["typing"], data["rewrite"]
-    lines = [f"typing ({TYPING[0]}.{TYPING[1]}, cursor halfway; cold first request {typing['cold_ms']} ms for "
-             f"{typing['cold_prompt_tokens']} prompt tokens)",
-             f"{'completion':<22}{'requests':>9}{'p50 ms':>9}{'p90 ms':>9}{'tokens':>8}{'prefilled':>10}"
-             f"{'prompt':>8}{'tok/fwd':>9}"]
-    for name, key in (("32-token block", "block_32"), ("one line, per char", "per_character")):
-        row = typing[key]
-        lines.append(f"{name:<22}{row['requests']:>9}{row['p50_ms']:>9}{row['p90_ms']:>9}{row['median_tokens']:>8}"
-                     f"{row['median_prefilled_tokens']:>10}{row['median_prompt_tokens']:>8}"
-                     f"{row['median_tokens_per_forward']:>9.2f}")
-    lines += ["", f"rewrite command ({rewrite['function']}, {rewrite['lines']} lines, \"{rewrite['instruction']}\", "
+    lines = []
+    if "typing" in data:
+        typing = data["typing"]
+        lines += [f"typing ({TYPING[0]}.{TYPING[1]}, cursor halfway; cold first request {typing['cold_ms']} ms for "
+                  f"{typing['cold_prompt_tokens']} prompt tokens)",
+                  f"{'completion':<22}{'requests':>9}{'p50 ms':>9}{'p90 ms':>9}{'tokens':>8}{'prefilled':>10}"
+                  f"{'prompt':>8}{'tok/fwd':>9}"]
+        for name, key in (("32-token block", "block_32"), ("one line, per char", "per_character")):
+            row = typing[key]
+            lines.append(f"{name:<22}{row['requests']:>9}{row['p50_ms']:>9}{row['p90_ms']:>9}{row['median_tokens']:>8}"
+                         f"{row['median_prefilled_tokens']:>10}{row['median_prompt_tokens']:>8}"
+                         f"{row['median_tokens_per_forward']:>9.2f}")
+        lines.append("")
+    if "rewrite" in data:
+        rewrite = data["rewrite"]
+        lines += [f"rewrite command ({rewrite['function']}, {rewrite['lines']} lines, \"{rewrite['instruction']}\", "
                   f"{rewrite['prompt_tokens']} prompt tokens, median of {rewrite['repeats']})",
-              f"{'chain':<38}{'seconds':>8}{'tokens':>7}{'tok/fwd':>8}{'accept':>7}{'speedup':>8}{'decode':>7}"
-              f"{'same':>5}"]
-    for row in rewrite["rows"]:
-        lines.append(f"{row['chain']:<38}{row['seconds']:>8}{row['tokens']:>7}{row['tokens_per_forward']:>8.2f}"
-                     f"{row['acceptance']:>7.2f}{row['speedup']:>7.2f}x{row['decode_speedup']:>6.2f}x"
-                     f"{'yes' if row['identical'] else 'NO':>5}")
-    return "\n".join(lines)
+                  f"{'chain':<38}{'seconds':>8}{'tokens':>7}{'tok/fwd':>8}{'accept':>7}{'speedup':>8}{'decode':>7}"
+                  f"{'same':>5}"]
+        for row in rewrite["rows"]:
+            lines.append(f"{row['chain']:<38}{row['seconds']:>8}{row['tokens']:>7}{row['tokens_per_forward']:>8.2f}"
+                         f"{row['acceptance']:>7.2f}{row['speedup']:>7.2f}x{row['decode_speedup']:>6.2f}x"
+                         f"{'yes' if row['identical'] else 'NO':>5}")
+        lines.append("")
+    if "contention" in data:
+        c = data["contention"]
+        lines.append(f"32-token block completion, p50 of {c['requests']}: {c['alone_p50_ms']} ms alone, "
+                     f"{c['during_rewrite_p50_ms']} ms while a rewrite decodes in the same process ({c['ratio']}x; "
+                     f"rewrite still running after: {c['rewrite_still_running_after']})")
+    return "\n".join(lines).rstrip()
 
 
 async def run(args) -> dict:
@@ -236,12 +282,18 @@ async def run(args) -> dict:
         server += ["--forward", args.forward]
     client = Client()
     await client.start(server, {"debounce_ms": 0, "max_tokens": 32, "command_max_tokens": 1024})
+    phases = {phase.strip() for phase in args.phases.split(",")}
+    data = {"dtype": args.dtype, "model": args.model or "smollm2"}
     try:
-        typing = await typing_latency(client)
-        rewrite = await rewrite_speed(client, args.repeats)
+        if "typing" in phases:
+            data["typing"] = await typing_latency(client)
+        if "rewrite" in phases:
+            data["rewrite"] = await rewrite_speed(client, args.repeats)
+        if "contention" in phases:
+            data["contention"] = await contention(client)
     finally:
         await client.stop()
-    return {"typing": typing, "rewrite": rewrite, "dtype": args.dtype, "model": args.model or "smollm2"}
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward", help="lean (default) or transformers")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each rewrite chain (median)")
     parser.add_argument("--out", default="bench-results/lsp-latency.json")
+    parser.add_argument("--phases", default="typing,rewrite,contention",
+                        help="typing, rewrite (chains side by side), contention (a completion during a rewrite)")
     parser.add_argument("--no-lock", action="store_true", help=f"do not wait for or hold {LOCK}")
     args = parser.parse_args(argv)
     with bench_lock(not args.no_lock):
