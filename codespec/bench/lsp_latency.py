@@ -165,6 +165,13 @@ async def typing_latency(client: Client, char_lines: int = 4) -> dict:
             "block_32": summary(blocks), "per_character": summary(chars)}
 
 
+def rewrite_whole(uri: str, source: str, instruction: str) -> types.ExecuteCommandParams:
+    """codespec.rewriteSelection over the whole of a document whose text is `source`."""
+    return types.ExecuteCommandParams(command="codespec.rewriteSelection", arguments=[
+        {"uri": uri, "range": {"start": {"line": 0, "character": 0}, "end": {"line": source.count("\n"), "character": 0}},
+         "instruction": instruction}])
+
+
 async def rewrite_speed(client: Client, repeats: int) -> dict:
     module, qualname, instruction = REWRITE
     source = stdlib_source(module, qualname)
@@ -176,11 +183,7 @@ async def rewrite_speed(client: Client, repeats: int) -> dict:
             uri = f"file:///bench/rewrite-{repeat}-{'-'.join(chain)}.py"
             client.open(uri, source)
             started = time.perf_counter()
-            result = await client.lsp.workspace_execute_command_async(types.ExecuteCommandParams(
-                command="codespec.rewriteSelection",
-                arguments=[{"uri": uri, "range": {"start": {"line": 0, "character": 0},
-                                                  "end": {"line": end_line, "character": 0}},
-                            "instruction": instruction}]))
+            result = await client.lsp.workspace_execute_command_async(rewrite_whole(uri, source, instruction))
             elapsed = time.perf_counter() - started
             edit = client.edits[-1].edit.changes[uri][0].new_text
             runs[chain].append((elapsed, result["stats"], edit))
@@ -221,11 +224,8 @@ async def contention(client: Client, requests: int = 8) -> dict:
     source = stdlib_source(module, qualname)
     client.configure(command_spec=["none"])
     client.open("file:///bench/contender.py", source)
-    rewrite = asyncio.ensure_future(client.lsp.workspace_execute_command_async(types.ExecuteCommandParams(
-        command="codespec.rewriteSelection",
-        arguments=[{"uri": "file:///bench/contender.py", "range": {"start": {"line": 0, "character": 0},
-                                                                   "end": {"line": source.count("\n"), "character": 0}},
-                    "instruction": instruction}])))
+    rewrite = asyncio.ensure_future(client.lsp.workspace_execute_command_async(
+        rewrite_whole("file:///bench/contender.py", source, instruction)))
     await asyncio.sleep(2.0)  # the rewrite has its prompt computed and is decoding
     during = await block_latencies()
     still_running = not rewrite.done()
