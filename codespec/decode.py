@@ -166,9 +166,7 @@ def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_ma
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = session.prepare(prompt)
     if prefill_chunk > 0:
-        cold = session.pending[:-1]  # the last prompt token stays pending: the first step needs its logits
-        for start in range(0, len(cold), prefill_chunk):
-            yield Rows(session.cache, cold[start : start + prefill_chunk], 1)
+        yield from prefill_rows(session, prefill_chunk)
     session.chain.begin(session.history, sampler.params)
     while True:
         step = yield from speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context,
@@ -184,6 +182,15 @@ def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_ma
         yield step
         if step.finished:
             return
+
+
+def prefill_rows(session: Session, chunk: int):
+    """Forward requests that cache a prepared session's uncached prompt, at most `chunk` tokens each (0: one). The
+    last prompt token stays pending: the first step needs its logits."""
+    cold = session.pending[:-1]
+    step = chunk if chunk > 0 else max(len(cold), 1)
+    for start in range(0, len(cold), step):
+        yield Rows(session.cache, cold[start : start + step], 1)
 
 
 def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field, replace
 
 from .adaptive import Adaptive, CostModel, cached_costs, pinned_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
-from .decode import decode_steps, drive, next_output
+from .decode import decode_steps, drive, next_output, prefill_rows
 from .drafters import SharedDrafting, build_chain
 from .errors import CodespecError
-from .forward import Rows, forward_path
+from .forward import forward_path
 from .sampling import Sampler
 from .session import Session
 from .stats import GenerationStats
@@ -136,10 +136,8 @@ class Engine:
         prompt_ids = self.prompt_ids(prompt, chat)
         session = self.session(session_id, spec or self.spec)
         yield session.prepare(prompt_ids)  # a prompt that diverges from the history truncates the drafters here
-        pending = session.pending[:-1]  # the last token stays pending: the generation feeds it for its logits
-        step = chunk_tokens if chunk_tokens > 0 else max(len(pending), 1)
-        for start in range(0, len(pending), step):
-            yield Rows(session.cache, pending[start : start + step], 1)
+        for rows in prefill_rows(session, chunk_tokens):
+            yield rows
             yield session.cached
 
     def drive(self, steps) -> Iterator:
