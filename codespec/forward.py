@@ -87,6 +87,10 @@ class StaticCache:
     def crop(self, new_len: int) -> None:
         self.length = min(self.length, new_len)
 
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
 
 class LeanLlama:
     """A lean forward for Llama-architecture models, sharing (not copying) the transformers weights."""
@@ -301,6 +305,12 @@ class TransformersCache(DynamicCache):
     @property
     def length(self) -> int:
         return self.get_seq_length()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.layers for t in (getattr(layer, "keys", None),
+                                                               getattr(layer, "values", None))
+                   if isinstance(t, torch.Tensor))
 
     def crop(self, new_len: int) -> None:
         if new_len >= self.length:

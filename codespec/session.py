@@ -36,6 +36,11 @@ class Session:
         return self.cache.length
 
     @property
+    def nbytes(self) -> int:
+        """The memory this session holds: its KV cache and its history."""
+        return self.cache.nbytes + self._tokens.nbytes
+
+    @property
     def pending(self) -> list[int]:
         return self._tokens[self.cached : self.length].tolist()
 

@@ -195,8 +195,9 @@ class Completer:
         """On the engine's thread: feed settled documents to the shared pool, pick other files' chunks,
         tokenise."""
         settings = self.server.settings
-        spec = spec_config(settings)
-        self.server.pool_feed.sync(engine, spec, settled)
+        if "ngram-mod" in settings.spec:  # open files teach the shared pool (Engine.teach)
+            for document_uri, version, text in settled:
+                engine.teach(document_uri, text, version)
         tokenizer = engine.tokenizer
         if chunks is None:
             def count(text: str) -> int:

@@ -36,7 +36,6 @@ from . import commands, settings as settings_module
 from .completion import REQUEST_FAILED, Completer, session_id
 from .documents import Document, Documents, PositionError
 from .framing import CheckedInput
-from .pool import PoolFeed
 from .protocol import COMMANDS, SERVER_NAME, SETTINGS_SECTION, STATS_NOTIFICATION, Settings, Stats
 
 logger = logging.getLogger("codespec.lsp")
@@ -118,7 +117,6 @@ class CodespecServer(LanguageServer):
         self.model_fixed = model_fixed
         self.documents = Documents()
         self.completer = Completer(self)
-        self.pool_feed = PoolFeed()
         self.converter = self.protocol._converter
         self._loaded: Future = Future()
         if scheduler is not None:
@@ -210,11 +208,11 @@ class CodespecServer(LanguageServer):
 
         def drop(engine) -> None:
             if pool:
-                self.pool_feed.forget(engine, uri)
+                engine.forget_document(uri)
             busy = scheduler.busy_sessions()  # a command still running keeps its session until it ends
             for name in (session_id(uri), f"lsp-command:{uri}"):
-                if name not in busy and name in engine.sessions:
-                    engine.sessions.pop(name).reset()  # ngram-mod takes back what the session taught the pool
+                if name not in busy:
+                    engine.drop(name, pool="forget")  # the pool takes back what the session taught it
 
         await scheduler.acall(drop)
 

@@ -96,7 +96,7 @@ def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig, layers:
 
 def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens: int, turns: int) -> Run:
     """All turns of a workload in one fresh session (and a fresh pool), as one user would see them."""
-    engine.shared.pools.clear()
+    engine.shared.pool.reset()
     session_id = f"bench-{time.monotonic_ns()}"
     messages: list[dict] = []
     total = Run(0.0, [], 0, 0, 0) if config.spec else Run(0.0, [])
@@ -129,7 +129,7 @@ def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens:
             tokens = out[0, len(prompt):].tolist()
         total.tokens += tokens
         messages.append({"role": "assistant", "content": engine.tokenizer.decode(tokens, skip_special_tokens=True)})
-    engine.sessions.pop(session_id, None)  # its KV cache goes: hundreds of runs would otherwise fill the memory
+    engine.drop(session_id, pool="keep")  # its KV cache goes: hundreds of runs would otherwise fill the memory
     return total
 
 

@@ -33,7 +33,7 @@ def run_two_session(engine: Engine, max_tokens: int, configs: dict | None = None
         prompt_b = engine.encode(edit_request(module, qualname, second_change or first_change), chat=True)
         plain_b = None
         for name, spec in (configs or CONFIGS).items():
-            engine.shared.pools.clear()  # every configuration starts from an empty pool
+            engine.shared.pool.reset()  # every configuration starts from an empty pool
             engine.generate(prompt_a, params, session_id=f"A-{name}-{request}", spec=spec)
             b = engine.generate(prompt_b, params, session_id=f"B-{name}-{request}", spec=spec)
             plain_b = plain_b or b

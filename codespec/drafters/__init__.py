@@ -17,24 +17,29 @@ from .prompt_lookup import PromptLookup
 
 
 class SharedDrafting:
-    """What every session of one engine shares, each built once on first use: the ngram-mod pool (one
-    per pool setting, so a request that asks for another n or size gets its own), static n-gram caches,
-    and draft models with their forward paths."""
+    """What every session of one engine shares: the one ngram-mod pool (its settings are the engine's, whatever a
+    request's spec says: every frontend of a process drafts from and teaches the same pool), and, built once on
+    first use, static n-gram caches and draft models with their forward paths."""
 
-    def __init__(self, target=None, tokenizer=None):
+    def __init__(self, target=None, tokenizer=None, spec: SpecConfig | None = None):
         self.target, self.tokenizer = target, tokenizer
-        self.pools: dict[tuple, NgramPool] = {}
+        self.pool_settings = (spec or SpecConfig()).pool_settings()
+        self._pool: NgramPool | None = None  # built on first use: 32 MB that a pool-less chain never needs
         self.static_caches: dict[str, StaticCache] = {}
         self.draft_models: dict[tuple, object] = {}
         self.draft_paths: dict[tuple, object] = {}
 
-    def pool(self, spec: SpecConfig) -> NgramPool:
-        key = (spec.mod_pool_size, spec.mod_n, spec.mod_reset_occupancy, spec.mod_reset_low_rounds,
-               spec.mod_reset_acceptance)
-        if key not in self.pools:
-            self.pools[key] = NgramPool(spec.mod_pool_size, spec.mod_n, spec.mod_reset_occupancy,
-                                        spec.mod_reset_low_rounds, spec.mod_reset_acceptance)
-        return self.pools[key]
+    @property
+    def pool(self) -> NgramPool:
+        if self._pool is None:
+            settings = {name.removeprefix("mod_"): value for name, value in self.pool_settings.items()}
+            self._pool = NgramPool(settings.pop("pool_size"), **settings)
+        return self._pool
+
+    @property
+    def pools(self) -> list[NgramPool]:
+        """The pools built so far (none until a session drafts from it)."""
+        return [self._pool] if self._pool is not None else []
 
     def static_cache(self, path: str | None) -> StaticCache | None:
         if path is None:
@@ -77,7 +82,7 @@ def build_drafter(name: str, spec: SpecConfig, shared: SharedDrafting) -> Drafte
     if name == "prompt-lookup":
         return PromptLookup(spec.ngram_min, spec.ngram_max)
     if name == "ngram-mod":
-        return NgramMod(shared.pool(spec))
+        return NgramMod(shared.pool)
     if name == "edit-align":
         return EditAlign()
     if name == "ngram-map-k":

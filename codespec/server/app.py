@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..config import SamplingParams, ServerConfig
 from ..context.fim import SuffixTrimmer, fim_prompt
-from ..engine import session_bytes
 from ..errors import CodespecError
 from ..scheduler import QueueFull, Scheduler
 from .generation import Generations, Plan, Prompt, Run
@@ -317,20 +316,18 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
 
         def read(engine):
             busy = scheduler.busy_sessions()
-            return [{"id": name.removeprefix(namespace), "busy": name in busy, "tokens": session.length,
-                     "cached": session.cached, "cache_bytes": session_bytes(session),
-                     "spec": list(session.spec.spec) if session.spec else [],
-                     "drafters": [stats.to_dict() for stats in session.chain.stats]}
-                    for name, session in engine.sessions.items() if name.startswith(namespace)]
+            return [{"id": info.id.removeprefix(namespace), "busy": info.id in busy, "tokens": info.tokens,
+                     "cached": info.cached, "cache_bytes": info.cache_bytes, "spec": list(info.spec),
+                     "drafters": [stats.to_dict() for stats in info.drafters]}
+                    for info in engine.sessions_info(namespace)]
         return await scheduler.acall(read)
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def prometheus():
         def read(engine):
-            pools = list(engine.shared.pools.values())
-            return (len(engine.sessions), sum(session_bytes(s) for s in engine.sessions.values()),
-                    max((pool.occupancy for pool in pools), default=0.0))
+            return (len(engine.sessions_info()), engine.sessions_bytes(),
+                    max((pool.occupancy for pool in engine.shared.pools), default=0.0))
         count, total, occupancy = await scheduler.acall(read)
         metrics.sessions.set(count)
         metrics.session_bytes.set(total)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import SamplingParams, ServerConfig, SpecConfig
 from ..decode import next_output
+from ..engine import KEEP
 from ..errors import CodespecError
 from ..forward import Rows
 from ..stats import GenerationStats
@@ -177,16 +178,16 @@ class Generations:
         idle = [name for name in slots if name not in busy]
         if not idle:
             return f"tmp-{uuid.uuid4().hex}", True
-        order = {name: rank for rank, name in enumerate(engine.sessions)}  # least recently used first
+        held = {info.id: (rank, info) for rank, info in enumerate(engine.sessions_info(plan.tenant))}  # LRU first
 
         def score(name):
             """Longest shared prefix first (a few tokens is chance, not reuse); then an unused slot, whose cache
             nobody loses; then the least recently used."""
-            session = engine.sessions.get(name)
-            if session is None:
+            if name not in held:
                 return (0, 1)
-            shared = common_prefix(session.history, ids)
-            return (shared if shared >= MIN_REUSE else 0, -order[name] - 1)
+            rank, info = held[name]
+            shared = common_prefix(info.history, ids)
+            return (shared if shared >= MIN_REUSE else 0, -rank - 1)
 
         return max(idle, key=score), False
 
@@ -215,7 +216,7 @@ class Generations:
                 yield chunk
         finally:
             if run.temporary:
-                engine.sessions.pop(run.session_id, None)
+                engine.drop(run.session_id, pool=KEEP)  # a one-off request's text still teaches the pool
 
     async def deltas(self, run: Run) -> AsyncIterator[str]:
         """The text to send, piece by piece; afterwards run holds the result, statistics and stop reason. Stops the

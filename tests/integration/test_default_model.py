@@ -116,10 +116,10 @@ def test_shared_pool_across_sessions_on_the_default_model(default_engine):
     prompt = engine.encode(edit_prompt(), chat=True)
     params = SamplingParams(max_tokens=64)
     plain = engine.generate(prompt, params, spec=NONE)
-    mod = SpecConfig(spec=("ngram-mod",), mod_n=8)
-    engine.shared.pools.clear()
+    mod = SpecConfig(spec=("ngram-mod",))  # the engine's one pool (n = 24)
+    engine.shared.pool.reset()
     cold = engine.generate(prompt, params, session_id="B-cold", spec=mod)
-    engine.shared.pools.clear()
+    engine.shared.pool.reset()
     engine.generate(prompt, params, session_id="A", spec=mod)
     warm = engine.generate(prompt, params, session_id="B", spec=mod)
     assert cold.tokens == warm.tokens == plain.tokens

@@ -23,7 +23,8 @@ PARAMS = SamplingParams(max_tokens=32)
 
 
 def engine_for(kind, dtype, forward="lean"):
-    return Engine(tiny_arch_model(kind, dtype), tiny_tokenizer(), SpecConfig(), eos_token_ids=frozenset({EOS}),
+    pool = {name: value for name, value in SMALL.items() if name.startswith("mod_")}  # the engine's one pool
+    return Engine(tiny_arch_model(kind, dtype), tiny_tokenizer(), SpecConfig(**pool), eos_token_ids=frozenset({EOS}),
                   forward=forward)
 
 

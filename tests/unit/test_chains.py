@@ -5,7 +5,9 @@ import pytest
 
 from codespec.config import SPEC_CHOICES, SamplingParams, SpecConfig
 from codespec.drafters import build_chain
+from codespec.engine import Engine
 from tests.conftest import random_prompt
+from tests.tiny import EOS
 
 # adaptive off: every draft is verified whatever this machine's timing, so each drafter's drafts are put to the test
 SMALL = dict(mod_n=3, mod_pool_size=1 << 16, draft_layers=1, adaptive=False)
@@ -14,6 +16,12 @@ CHAINS = [(name,) for name in SPEC_CHOICES] + [
     ("ngram-mod", "ngram-map-k4v", "ngram-cache"),
     ("draft", "prompt-lookup"),
 ]
+
+
+@pytest.fixture
+def engine(model, tokenizer):
+    """An engine whose one ngram-mod pool is small and keyed on 3 tokens, so random prompts reach it."""
+    return Engine(model, tokenizer, SpecConfig(**SMALL), eos_token_ids=frozenset({EOS}))
 
 
 @pytest.mark.parametrize("chain", CHAINS, ids=",".join)

@@ -4,13 +4,14 @@ typing, the shared pool fed by open documents, and settings checked key by key."
 import numpy as np
 
 from codespec.config import SpecConfig
+from codespec.engine import Engine
 from codespec.context.extra import pick_chunks, split_chunks
 from codespec.drafters import NgramMod
 from lsp.completion import Completer
 from lsp.documents import Document
-from lsp.pool import PoolFeed
 from lsp.protocol import Settings
 from lsp.settings import apply, section
+from tests.tiny import EOS
 
 
 def words(text: str) -> int:
@@ -60,25 +61,24 @@ def test_headers_cut_off_by_the_window_stay_in_the_prompt_and_stay_put():
     assert completer._window_scopes(document, start) is scopes  # not worked out again: the prompt keeps its start
 
 
-def test_open_documents_feed_the_shared_pool_and_take_it_back(engine):
-    spec = SpecConfig(spec=("ngram-mod",), mod_n=4)
-    feed = PoolFeed()
+def test_open_documents_teach_the_shared_pool_and_take_it_back(model, tokenizer):
+    engine = Engine(model, tokenizer, SpecConfig(spec=("ngram-mod",), mod_n=4), eos_token_ids=frozenset({EOS}))
     text = "def rectangle_area(width, height):\n    return width * height\n"
     ids = engine.tokenizer(text, add_special_tokens=False).input_ids
-    probe = NgramMod(engine.shared.pool(spec))  # another session's view of the same pool
+    probe = NgramMod(engine.shared.pool)  # another session's view of the same pool
 
     def drafted(tokens):
         proposal = probe.draft(np.asarray(tokens, dtype=np.int64), 8)
         return proposal.tokens if proposal else []
 
-    feed.sync(engine, spec, [("file:///a.py", 1, text)])
+    engine.teach("file:///a.py", text, 1)
     assert drafted(ids[:6]) == ids[6:14]  # drafts come from the open file
     edited = text.replace("width * height", "height * width")
-    feed.sync(engine, spec, [("file:///a.py", 2, edited)])
+    engine.teach("file:///a.py", edited, 2)
     new_ids = engine.tokenizer(edited, add_special_tokens=False).input_ids
     cut = next(i for i, (a, b) in enumerate(zip(ids, new_ids)) if a != b)
     assert drafted(new_ids[:cut])[: len(new_ids) - cut] == new_ids[cut:cut + 8]  # the edit replaced the old text
-    feed.forget(engine, "file:///a.py")
+    engine.forget_document("file:///a.py")
     assert drafted(new_ids[:6]) == []  # closed and forgotten: nothing left in the pool
 
 

@@ -7,32 +7,59 @@ import pytest
 
 from codespec.config import SamplingParams, SpecConfig
 from codespec.drafters.ngram_mod import EMPTY, NgramMod, NgramPool
+from codespec.engine import Engine
 from tests.conftest import random_prompt
+from tests.tiny import EOS
 
-MOD = SpecConfig(spec=("ngram-mod",), mod_n=3, mod_pool_size=1 << 16, draft_max=16)
 NONE = SpecConfig(spec=("none",))
 
 
+POOLS = [(dict(mod_n=3, mod_pool_size=1 << 16), ("ngram-mod",)), (dict(mod_n=3, mod_pool_size=1 << 16),
+         ("prompt-lookup", "ngram-mod")), (dict(mod_n=2, mod_pool_size=1 << 12), ("ngram-mod", "prompt-lookup"))]
+
+
 @pytest.mark.parametrize("seed", range(10))
-def test_greedy_identity_with_ngram_mod_and_chains(engine, seed):
+def test_greedy_identity_with_ngram_mod_and_chains(model, tokenizer, seed):
     rng = np.random.default_rng(100 + seed)
     prompt = random_prompt(rng, int(rng.integers(20, 120)), repetitive=True)
     params = SamplingParams(max_tokens=48)
-    plain = engine.generate(prompt, params, spec=NONE)
-    for spec in (MOD, SpecConfig(spec=("prompt-lookup", "ngram-mod"), mod_n=3, mod_pool_size=1 << 16),
-                 SpecConfig(spec=("ngram-mod", "prompt-lookup"), mod_n=2, mod_pool_size=1 << 12)):
+    for pool, chain in POOLS:
+        engine = Engine(model, tokenizer, SpecConfig(**pool), eos_token_ids=frozenset({EOS}))
+        plain = engine.generate(prompt, params, spec=NONE)
+        spec = SpecConfig(spec=chain, draft_max=16)
         assert engine.generate(prompt, params, spec=spec, session_id=f"s{seed}").tokens == plain.tokens
         assert engine.generate(prompt, params, spec=spec).tokens == plain.tokens  # pool warm from the line above
 
 
-def test_one_pool_is_shared_and_drafts_across_sessions(engine):
+def test_every_session_of_an_engine_uses_its_one_pool_and_draft_max_keeps_the_chain(model, tokenizer):
+    """A request that names other pool settings still drafts from (and teaches) the engine's pool, so every
+    frontend of a process shares one; a request that changes only draft_max keeps its session's drafters and
+    what they taught the pool."""
+    engine = Engine(model, tokenizer, SpecConfig(mod_n=3, mod_pool_size=1 << 16), eos_token_ids=frozenset({EOS}))
+    prompt = random_prompt(np.random.default_rng(9), 60, repetitive=True)
+    params = SamplingParams(max_tokens=24)
+    engine.generate(prompt, params, session_id="http", spec=SpecConfig(spec=("ngram-mod",), mod_n=16))
+    engine.generate(prompt, params, session_id="lsp", spec=SpecConfig(spec=("ngram-mod",)))
+    pools = {id(engine.sessions[name].chain.drafters[0].pool) for name in ("http", "lsp")}
+    assert pools == {id(engine.shared.pool)} and engine.shared.pool.n == 3
+    chain = engine.sessions["http"].chain
+    occupied = engine.shared.pool.occupied
+    engine.generate(prompt, params, session_id="http", spec=SpecConfig(spec=("ngram-mod",), draft_max=4))
+    assert engine.sessions["http"].chain is chain  # not rebuilt: nothing taken back from the pool
+    assert engine.shared.pool.occupied >= occupied
+    engine.generate(prompt, params, session_id="http", spec=SpecConfig(spec=("prompt-lookup",)))
+    assert engine.sessions["http"].chain is not chain  # other drafters: a new chain
+
+
+def test_one_pool_is_shared_and_drafts_across_sessions(model, tokenizer):
     """Session B's acceptance on text session A saw is higher than with an empty pool."""
     rng = np.random.default_rng(5)
     prompt = random_prompt(rng, 60, repetitive=False)  # no repetition: prompt lookup alone has little to copy
     params = SamplingParams(max_tokens=64)
     spec = SpecConfig(spec=("ngram-mod",), mod_n=3, mod_pool_size=1 << 16, mod_reset_low_rounds=10**6)
+    engine = Engine(model, tokenizer, spec, eos_token_ids=frozenset({EOS}))
     cold = engine.generate(prompt, params, session_id="B-cold", spec=spec)
-    engine.shared.pools.clear()  # an empty pool again
+    engine.shared.pool.reset()  # an empty pool again
     engine.generate(prompt, params, session_id="A", spec=spec)
     warm = engine.generate(prompt, params, session_id="B", spec=spec)
     assert engine.sessions["A"].chain.drafters[0].pool is engine.sessions["B"].chain.drafters[0].pool

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from codespec.config import SamplingParams
-from codespec.engine import session_bytes
 from codespec.errors import CodespecError
 from codespec.scheduler import QueueFull, Scheduler
 from tests.conftest import random_prompt
@@ -160,7 +159,7 @@ def test_warm_then_generate_equals_cold_and_reuses_the_cache(engine):
 def test_lru_eviction_under_a_memory_bound_spares_busy_sessions(engine):
     for name in "abc":
         engine.generate(prompts(1)[0], PARAMS, session_id=name)
-    one = session_bytes(engine.sessions["a"])
+    one = engine.sessions["a"].nbytes
     engine.session("a")  # a is now the most recently used
     engine.session_memory = 2 * one
     assert engine.evict() == ["b"] and list(engine.sessions) == ["c", "a"]
