@@ -69,6 +69,7 @@ class Engine:
     shared: SharedDrafting | None = None  # one ngram-mod pool (and draft model) for all sessions
     forward: str = "lean"  # see ModelConfig.forward
     session_memory: int = SESSION_MEMORY  # KV-cache bytes named sessions may hold; evict() drops the idlest
+    cache_reuse: int = 0  # > 0: reuse cached chunks of at least this many tokens at new positions (Session.prepare)
 
     def __post_init__(self):
         self.spec.validate()
@@ -119,6 +120,7 @@ class Engine:
             session.use_chain(build_chain(spec, self.shared))
         else:  # same drafters: what they hold stays, only the per-step limits change
             session.chain.draft_min = spec.draft_min
+        session.reuse_min = self.cache_reuse
         if session_id is not None:  # most recently used last: evict() drops from the front
             self.sessions[session_id] = self.sessions.pop(session_id)
         session.spec = spec

@@ -160,6 +160,23 @@ class LeanLlama:
         rotary = torch.complex(torch.cos(angles), torch.sin(angles))  # [positions, half]
         return rotary.to(torch.complex128 if self.dtype == torch.float64 else torch.complex64).to(self.device)
 
+    @torch.no_grad()
+    def move(self, cache: StaticCache, source: int, target: int, count: int) -> None:
+        """Move the cached keys and values of positions source.. to target.. (llama-server's --cache-reuse): the
+        keys are stored rotated by their position, so they are turned by the angle of the shift, in float64. The
+        values move as they are. Only the rotary part is exact: the moved tokens keep the attention they had to the
+        text that preceded them before, so their deeper layers differ from a recomputation (see Session.prepare)."""
+        if source == target or count <= 0:
+            return
+        angles = (target - source) * self.inv_freq.double()  # [half]
+        turn = torch.polar(torch.ones_like(angles), angles).to(self.device)  # e^(i shift theta)
+        keys = cache.keys[:, :, source : source + count]  # [layers, kv_heads, count, dim]
+        turned = torch.view_as_complex(keys.double().reshape(*keys.shape[:-1], -1, 2).contiguous()) * turn
+        moved_keys = torch.view_as_real(turned).flatten(-2).to(cache.keys.dtype)
+        moved_values = cache.values[:, :, source : source + count].clone()
+        cache.keys[:, :, target : target + count] = moved_keys
+        cache.values[:, :, target : target + count] = moved_values
+
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.weights) // 6, self.kv_heads, self.head_dim, self.INITIAL_CAPACITY,
                            self.dtype, self.device)

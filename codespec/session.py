@@ -22,6 +22,7 @@ class Session:
         self.spec = None  # the SpecConfig the chain was built from
         self.cache = path.new_cache()
         self.adaptive = None  # acceptance evidence per drafter, set by the engine (adaptive.py)
+        self.reuse_min = 0  # > 0: reuse cached chunks of at least this many tokens at shifted positions
         self._tokens = np.zeros(1024, dtype=np.int64)
         self.length = 0
 
@@ -45,14 +46,42 @@ class Session:
         return self._tokens[self.cached : self.length].tolist()
 
     def prepare(self, prompt: list[int]) -> int:
-        """Make the history equal to `prompt`, reusing the common prefix; return the prompt tokens reused."""
+        """Make the history equal to `prompt`, reusing the common prefix (and, with reuse_min, cached chunks further
+        on: reuse_chunks); return the prompt tokens whose keys and values the cache holds."""
         common = common_prefix(self.history, prompt)
+        moves = self.reuse_chunks(prompt, common) if self.reuse_min > 0 and common < self.cached else []
         if common < self.length:
             self.truncate(common)  # the history was rewritten: tell the drafters
+        for source, target, count in moves:
+            self.path.move(self.cache, source, target, count)
+            self.cache.length = target + count
         self.append(prompt[common:])
         # at least the last prompt token must be fed, to get the logits for the first new token
         self.crop_cache(min(self.cached, len(prompt) - 1))
         return self.cached
+
+    def reuse_chunks(self, prompt: list[int], common: int) -> list[tuple[int, int, int]]:
+        """llama-server's --cache-reuse: runs of at least reuse_min cached tokens that the new prompt holds at an
+        earlier position (lines scrolled out of a sliding window, a deleted block above the cursor) are moved into
+        place instead of computed again. Returns (source, target, count) moves, each target right after the
+        last. An approximation, as in llama-server: a moved token's keys and values in the deeper layers still
+        reflect the text that preceded it in the old prompt, so the output can differ from a cold prefill."""
+        if not hasattr(self.path, "move"):
+            return []  # transformers' caches: each architecture rotates differently; prefix reuse only
+        cached = self._tokens[: self.cached]
+        end = len(prompt) - 1  # the last prompt token is always fed
+        moves, source, target = [], common, common
+        while source < len(cached) and target < end:
+            count = 0
+            while (source + count < len(cached) and target + count < end
+                   and cached[source + count] == prompt[target + count]):
+                count += 1
+            if count >= self.reuse_min:
+                moves.append((source, target, count))
+                source, target = source + count, target + count
+            else:
+                source += 1
+        return moves
 
     def append(self, tokens: list[int]) -> None:
         needed = self.length + len(tokens)

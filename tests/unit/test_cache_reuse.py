@@ -1,0 +1,101 @@
+"""KV-cache reuse beyond the common prefix (llama-server's --cache-reuse): cached chunks that the new prompt holds
+at earlier positions are moved into place, their keys turned by the shift, instead of computed again."""
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from codespec.config import SamplingParams, SpecConfig
+from codespec.engine import Engine
+from tests.tiny import EOS, VOCAB, tiny_config
+
+PLAIN = SpecConfig(spec=("none",))
+
+
+def lines(rng, count):
+    """`count` lines of 12 random tokens each (random tokens never repeat by chance, so chunks match only where
+    the text really is the same)."""
+    return [rng.integers(1, VOCAB, size=12).tolist() for _ in range(count)]
+
+
+def flat(chunks):
+    return [t for chunk in chunks for t in chunk]
+
+
+def engine_with_layers(tokenizer, layers: int, reuse: int) -> Engine:
+    config = LlamaConfig(**{**tiny_config(VOCAB, 1024), "num_hidden_layers": layers})
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    return Engine(model, tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}), cache_reuse=reuse)
+
+
+def last_logits(engine, session_id, prompt):
+    """The logits after `prompt` in the session (prepared as a request would), and the tokens it reused."""
+    session = engine.session(session_id)
+    reused = session.prepare(prompt)
+    logits = engine.path(session.cache, session.pending, 1)[-1]
+    return logits, reused
+
+
+def test_a_window_that_slides_down_reuses_the_moved_lines_and_one_layer_is_exact(tokenizer):
+    """One decoder layer: keys and values depend only on the token and its position, so a moved chunk whose keys
+    are turned by the shift is the recomputation, up to rounding. The window drops 3 lines at the top and gains
+    2 at the bottom: everything but the new lines is reused."""
+    rng = np.random.default_rng(1)
+    text = lines(rng, 40)
+    before, after = flat(text[:30]), flat(text[3:32])
+    engine = engine_with_layers(tokenizer, layers=1, reuse=16)
+    last_logits(engine, "editor", before)
+    reused_logits, reused = last_logits(engine, "editor", after)
+    cold_logits, cold_reused = last_logits(engine, "cold", after)
+    assert cold_reused == 0
+    assert reused == len(flat(text[3:30]))  # every line still in the window
+    difference = (reused_logits - cold_logits).abs().max().item()
+    print(f"1 layer, float64: max |logit difference| after moving {reused} tokens: {difference:.2e}")
+    assert difference < 1e-5  # the rotary tables are float32 (as transformers computes them): ~1e-7 per angle
+
+
+def test_deeper_layers_differ_from_a_cold_prefill_and_the_history_is_the_new_prompt(tokenizer):
+    """Two layers: the moved lines keep the attention they paid to the dropped lines, as in llama-server, so the
+    logits differ from a cold prefill by more than rounding; the test states by how much. (A random tiny model's
+    greedy output can follow that difference: the default model's identity on real code is an integration
+    test.) The session's history is the new prompt and its drafters relearn it, so speculation stays exact with
+    respect to the reused cache: speculative and plain decoding of it agree."""
+    rng = np.random.default_rng(2)
+    text = lines(rng, 40)
+    before, after = flat(text[:30]), flat(text[2:31])
+    engine = engine_with_layers(tokenizer, layers=2, reuse=16)
+    last_logits(engine, "editor", before)
+    reused_logits, reused = last_logits(engine, "editor", after)
+    cold_logits, _ = last_logits(engine, "cold", after)
+    assert reused == len(flat(text[2:30]))
+    difference = (reused_logits - cold_logits).abs().max().item()
+    print(f"2 layers, float64: max |logit difference| after a 2-line slide: {difference:.2e} "
+          f"(logits span {cold_logits.min().item():.1f}..{cold_logits.max().item():.1f})")
+    assert 1e-5 < difference < 2.0
+
+    params = SamplingParams(max_tokens=24)
+    results = {}
+    for spec in (PLAIN, SpecConfig(spec=("prompt-lookup",))):
+        name = ",".join(spec.spec)
+        engine.generate(before, params, session_id=name, spec=spec)
+        results[name] = engine.generate(after, params, session_id=name, spec=spec)
+        assert results[name].stats.cached_tokens == reused
+        assert engine.sessions[name].history.tolist() == after + results[name].tokens
+    assert results["none"].tokens == results["prompt-lookup"].tokens
+
+
+def test_reuse_is_off_by_default_and_a_deleted_block_above_the_cursor_is_skipped(tokenizer):
+    rng = np.random.default_rng(3)
+    text = lines(rng, 20)
+    before = flat(text)
+    edited = flat(text[:5] + text[9:] + [[7, 8, 9]])  # lines 5..8 deleted above the cursor
+    off = engine_with_layers(tokenizer, layers=1, reuse=0)
+    last_logits(off, "s", before)
+    assert last_logits(off, "s", edited)[1] == len(flat(text[:5]))  # the common prefix only
+    on = engine_with_layers(tokenizer, layers=1, reuse=16)
+    last_logits(on, "s", before)
+    assert last_logits(on, "s", edited)[1] == len(flat(text[:5] + text[9:]))
+    short = engine_with_layers(tokenizer, layers=1, reuse=200)  # chunks shorter than the minimum stay cold
+    last_logits(short, "s", before)
+    assert last_logits(short, "s", edited)[1] == len(flat(text[:5]))
