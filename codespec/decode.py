@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .adaptive import Adaptive, CostModel, allocate
 from .forward import Rows
+from .healing import Constraint
 from .sampling import Sampler
 from .session import Session
 from .stats import GenerationStats
@@ -106,10 +107,11 @@ def next_output(steps):
 
 
 def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget: int,
-                     context: int, eos_ids: frozenset[int], adaptive: Adaptive | None = None):
+                     context: int, eos_ids: frozenset[int], adaptive: Adaptive | None = None,
+                     constraint: Constraint | None = None):
     """One step (a generator: see the module's doc), returning a Step: at most `budget` new tokens, never past
     `context` positions or past an EOS. With `adaptive`, only as much of the draft is verified as pays on this
-    device (maybe none)."""
+    device (maybe none). With `constraint` (token healing), the rows it still governs are masked first."""
     history = session.history
     room = context - len(history)  # positions left for draft tokens plus the target's own token
     pending = session.pending
@@ -132,6 +134,8 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     except GeneratorExit:  # cancelled between the forward and its acceptance: the cache keeps only the history
         session.crop_cache(len(history))
         raise
+    if constraint is not None:
+        constraint.mask(logits, drafted)
     accepted, next_token = sampler.verify(logits, drafted, probs)
     if adaptive is not None and proposal:
         adaptive.observe(drafter, proposal, verify, accepted, next_token)
@@ -147,6 +151,8 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
         new_tokens, finished = new_tokens[:budget], finished or "length"
     accepted = min(accepted, len(new_tokens))
 
+    if constraint is not None:
+        constraint.advance(new_tokens)
     session.append(new_tokens)
     session.crop_cache(session.length - 1)  # rejected draft tokens leave the cache; the last token is pending
     if session.length >= context:
@@ -157,7 +163,8 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
 
 def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,
                  max_tokens: int, context: int, eos_ids: frozenset[int],
-                 stats: GenerationStats, adaptive: Adaptive | None = None, prefill_chunk: int = 0) -> Iterator[Step]:
+                 stats: GenerationStats, adaptive: Adaptive | None = None, prefill_chunk: int = 0,
+                 constraint: Constraint | None = None) -> Iterator[Step]:
     """Run steps until EOS, max_tokens or the context is full, updating `stats` as it goes. A generator of
     Steps, with the steps' requests for a driver in between (generate_steps drives it alone). prefill_chunk:
     the prompt tokens that are not cached yet go in forwards of at most that many (0: with the first step), so
@@ -170,7 +177,7 @@ def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_ma
     session.chain.begin(session.history, sampler.params)
     while True:
         step = yield from speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context,
-                                           eos_ids, adaptive)
+                                           eos_ids, adaptive, constraint)
         if stats.target_forwards == 0:
             stats.prefill_seconds = time.perf_counter() - started
         stats.target_forwards += 1

@@ -5,6 +5,7 @@ Nothing above the engine touches tensors; nothing below it knows about HTTP or L
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,7 @@ from .drafters import SharedDrafting, build_chain
 from .drafters.taught import TaughtDocuments
 from .errors import CodespecError
 from .forward import forward_path
+from .healing import Constraint, Vocabulary, heal
 from .sampling import Sampler
 from .session import Session
 from .stats import GenerationStats
@@ -196,6 +198,16 @@ class Engine:
         """Run a generator of requests (decode.py) alone: each forward at once, on this engine's path."""
         return drive(steps, self.path, self._costs)
 
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary:
+        """The tokenizer's token strings, for token healing (built on first use: ~0.2 s for 49k tokens)."""
+        return Vocabulary(self.tokenizer)
+
+    def heal(self, ids: list[int], keep: int = 0) -> tuple[list[int], str | None]:
+        """The prompt backed up over a last token that a longer token could extend, and that token's string
+        (healing.heal), for stream_steps(healed=...). The first `keep` tokens stay."""
+        return heal(self.vocabulary, ids, keep)
+
     def prompt_ids(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         """The prompt's tokens, checked to be non-empty and to leave room in the context for one more."""
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
@@ -221,18 +233,20 @@ class Engine:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                session_id: str | None = None, spec: SpecConfig | None = None,
                chat: bool = False, reference: list[int] | None = None,
-               stop_ids: frozenset[int] = frozenset()) -> Iterator[Chunk]:
+               stop_ids: frozenset[int] = frozenset(), healed: str | None = None) -> Iterator[Chunk]:
         """Generate, yielding text as it becomes final; the last chunk carries the result.
         `reference`: the tokens of a text this generation rewrites, for the edit-align drafter.
         `stop_ids`: tokens that end this generation like an EOS (a FIM format's end-of-middle tokens)."""
-        return self.drive(self.stream_steps(prompt, params, session_id, spec, chat, reference, stop_ids))
+        return self.drive(self.stream_steps(prompt, params, session_id, spec, chat, reference, stop_ids,
+                                            healed=healed))
 
     def stream_steps(self, prompt: str | list[int], params: SamplingParams | None = None,
                      session_id: str | None = None, spec: SpecConfig | None = None,
                      chat: bool = False, reference: list[int] | None = None,
-                     stop_ids: frozenset[int] = frozenset(), prefill_chunk: int = 0):
+                     stop_ids: frozenset[int] = frozenset(), prefill_chunk: int = 0, healed: str | None = None):
         """`stream` for a driver (decode.py): its Chunks, with forward requests in between. prefill_chunk: the
-        uncached prompt goes in forwards of at most that many tokens (0: all with the first step)."""
+        uncached prompt goes in forwards of at most that many tokens (0: all with the first step). healed: a token
+        string (healing.heal) the output must start with; its text is not part of the output."""
         params = params or SamplingParams()
         spec = spec or self.spec
         try:
@@ -245,7 +259,8 @@ class Engine:
         session.chain.set_reference(reference)  # every generation: one without a reference clears it
         before = [s.copy() for s in session.chain.stats]
         stats = GenerationStats()
-        text = TextAssembler(self.tokenizer, params.stop)
+        constraint = Constraint(self.vocabulary, healed) if healed else None
+        text = TextAssembler(self.tokenizer, params.stop, self.vocabulary.text(healed) if healed else "")
         # Seeded sampling must repeat exactly, and the random stream it consumes depends on how many draft
         # tokens each step verifies: so draft lengths may not depend on timing there. (Greedy output never
         # depends on them.)
@@ -254,7 +269,7 @@ class Engine:
             session.adaptive = Adaptive(self.costs)
         steps = decode_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
                              self.context_length, self.eos_token_ids | stop_ids, stats,
-                             session.adaptive if adaptive else None, prefill_chunk)
+                             session.adaptive if adaptive else None, prefill_chunk, constraint)
         finish_reason = "length"
         while (step := (yield from next_output(steps))) is not None:
             delta, stop_at = text.add(step.tokens)
@@ -285,15 +300,19 @@ class TextAssembler:
     """Detokenises generated tokens incrementally, holds back text that could still become a stop
     string or an incomplete UTF-8 character, and finds where a stop string ends the output."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer, stop: tuple[str, ...], healed: str = ""):
         self.tokenizer = tokenizer
+        self.healed = healed  # text the tokens spell first that the prompt already had (token healing)
         self.stop = tuple(s for s in stop if s)
         self.tokens: list[int] = []
         self.text = ""  # the output so far (final once generation ends)
         self.sent = 0  # characters already handed out
 
     def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if self.healed.startswith(text):
+            return ""
+        return text.removeprefix(self.healed)
 
     def add(self, tokens: list[int]) -> tuple[str, int | None]:
         """Append tokens; return (text safe to send, token count at which a stop string ended the text)."""

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..healing import heal
+
 REPO_NAME = "myproject"  # what llama.cpp writes after <repo_name>; models only see it as a name
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # between extra chunks when the model has no file separator
 CURRENT_FILE = "filename"  # llama.cpp's name for the current file when the client sends none
@@ -69,6 +71,7 @@ class FimPrompt:
     extra_used: int = 0  # extra chunks that fit
     truncated: bool = False  # something (extra chunks, the start of the prefix, the end of the suffix) was cut
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    healed: str | None = None  # the prefix's last token string, moved into the output (token healing)
 
 
 def _token(vocab: dict, spellings) -> int | None:
@@ -122,13 +125,15 @@ def _extra_chunks(tokenizer, extra, repo: int | None, file_sep: int | None, file
 
 
 def fim_prompt(tokenizer, prefix: str, suffix: str, extra=(), filename: str | None = None,
-               max_tokens: int | None = None, fmt: FimFormat | None | bool = True) -> FimPrompt:
+               max_tokens: int | None = None, fmt: FimFormat | None | bool = True, vocabulary=None) -> FimPrompt:
     """Prompt ids for filling the gap between prefix and suffix.
 
     extra: [(filename, text)] of other files or chunks, most relevant last (they sit nearest the cursor).
     max_tokens: the prompt budget; when it is exceeded, extra chunks go first (the oldest first), then the start of
     the prefix and the end of the suffix, three to one, as llama.cpp cuts them.
     fmt: True detects the format; None forces the prefix-only fallback; or a FimFormat.
+    vocabulary: a healing.Vocabulary heals the cursor: a last prefix token that a longer one could extend (the bare
+    newline of an empty line, half a name) leaves the prompt, and the output must spell it first (healed).
     """
     if fmt is True:
         fmt = detect_fim(tokenizer)
@@ -156,11 +161,14 @@ def fim_prompt(tokenizer, prefix: str, suffix: str, extra=(), filename: str | No
             suffix_ids = suffix_ids[: max(suffix_room, 0)]
             prefix_ids = prefix_ids[len(prefix_ids) - max(room - len(suffix_ids), 0):]
     context = bos + head + [t for chunk in chunks for t in chunk] + tail
+    healed = None
+    if vocabulary is not None:
+        prefix_ids, healed = heal(vocabulary, prefix_ids, 0)
     if fmt is None:
         ids = context + prefix_ids
     else:
         ids = context + [fmt.prefix] + prefix_ids + [fmt.suffix] + suffix_ids + [fmt.middle]
-    return FimPrompt(ids, fmt, len(chunks), truncated, stops)
+    return FimPrompt(ids, fmt, len(chunks), truncated, stops, healed)
 
 
 def trim_to_suffix(completion: str, suffix: str) -> str:
