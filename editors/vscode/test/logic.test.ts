@@ -95,4 +95,11 @@ describe("statsText", () => {
     assert.equal(shown, "$(sparkle) 42 tok/s · 78% acc");
     assert.match(tooltip, /57 tokens at 41\.6 tok\/s, 2\.35 tokens per forward, 78% of drafted tokens accepted/);
   });
+
+  it("keeps one decimal below 10 tok/s, so a slow machine does not read 0 tok/s", () => {
+    const stats: Stats = { kind: "completion", generated_tokens: 8, tokens_per_second: 0.25, tokens_per_forward: 1, acceptance: 0 };
+    assert.equal(statsText(stats).text, "$(sparkle) 0.3 tok/s · 0% acc");
+    assert.equal(statsText({ ...stats, tokens_per_second: 9.96 }).text, "$(sparkle) 10 tok/s · 0% acc");
+    assert.equal(statsText({ ...stats, tokens_per_second: 9.94 }).text, "$(sparkle) 9.9 tok/s · 0% acc");
+  });
 });
