@@ -12,16 +12,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from contextlib import aclosing
 
 from lsprotocol import types
 from pygls.exceptions import JsonRpcContentModified, JsonRpcException, JsonRpcInvalidParams
 
-from codespec.config import SamplingParams
 from codespec.context import treesitter
-from codespec.errors import CodespecError
 
+from .backend import RewriteRequest
 from .protocol import ADD_DOCSTRINGS, ADD_TYPE_HINTS, COMMANDS, COMMANDS_BY_ID, REWRITE_SELECTION, TRANSLATE_COMMENTS
-from .completion import REQUEST_FAILED
 from .documents import clean_text
 from .settings import spec_config
 
@@ -84,13 +83,19 @@ def parse_range(value) -> tuple[int, int, int, int]:
     return numbers
 
 
-def build_prompt(engine, command_id: str, values: dict, selection: str, language: str) -> tuple[list[int], list[int]]:
-    """On the engine's thread: (prompt ids primed with an opening fence, the selection's tokens)."""
+def request_text(command_id: str, values: dict, selection: str, language: str) -> tuple[str, str]:
+    """(the user's chat message, the start of the answer it is primed with: an opening code fence)."""
     task = TASKS[command_id].format(**values)
     name = LANGUAGE_NAMES.get(language, language.capitalize()) if language else "this"
     user = f"Rewrite this {name} code, {task}. Reply with the complete code only.\n\n" \
            f"{FENCE}{language}\n{selection.rstrip()}\n{FENCE}"
-    ids = engine.encode(user, chat=True) + encode(engine, f"{FENCE}{language}\n")
+    return user, f"{FENCE}{language}\n"
+
+
+def build_prompt(engine, command_id: str, values: dict, selection: str, language: str) -> tuple[list[int], list[int]]:
+    """On the engine's thread: (prompt ids primed with an opening fence, the selection's tokens)."""
+    user, primer = request_text(command_id, values, selection, language)
+    ids = engine.encode(user, chat=True) + encode(engine, primer)
     return ids, encode(engine, selection)
 
 
@@ -112,9 +117,9 @@ async def client_answer(request):
     return await asyncio.shield(request)
 
 
-def progress_message(stats) -> str:
-    if stats is None:
-        return "prefilling"
+def progress_message(stats, characters: int = 0) -> str:
+    if stats is None:  # a remote server's statistics come at the end
+        return f"{characters} characters" if characters else "prefilling"
     return (f"{stats.generated_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
             f"{stats.tokens_per_forward:.2f} tok/forward, acceptance {stats.acceptance_rate:.0%}")
 
@@ -140,13 +145,13 @@ class Progress:
         self.server.work_done_progress.tokens[token].add_done_callback(
             lambda future: on_cancel() if future.cancelled() else None)
 
-    def report(self, stats) -> None:
+    def report(self, stats, characters: int = 0) -> None:
         now = time.monotonic()
         if self.token is None or now - self.last_report < REPORT_SECONDS:
             return
         self.last_report = now
         self.server.work_done_progress.report(self.token, types.WorkDoneProgressReport(
-            message=progress_message(stats), cancellable=True))
+            message=progress_message(stats, characters), cancellable=True))
 
     def end(self, message: str) -> None:
         if self.token is None:
@@ -172,43 +177,40 @@ async def execute(server, command_id: str, arguments) -> dict:
         raise JsonRpcInvalidParams(f"the document is larger than max_file_chars ({server.settings.max_file_chars})")
     selection, version = document.text[start:end], document.version
     language = treesitter.language_id_for(document.language_id, document.uri) or ""
-    scheduler = await server.ready()
-    ids, reference = await scheduler.acall(build_prompt, command.id, values, selection, language)
-    room = server.context_length() - len(ids) - 1
-    if room < 1:
-        raise JsonRpcInvalidParams("the selection is too long for the model's context")
     settings = server.settings
-    params = SamplingParams(max_tokens=min(settings.command_max_tokens, room), stop=(FENCE,))
-    try:
-        job = scheduler.submit(ids, params, session_id=f"lsp-command:{document.uri}",
-                               spec=spec_config(settings, command=True), reference=reference)
-    except CodespecError as exc:  # e.g. the queue is full
-        raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
-    cancelled = False
+    request = RewriteRequest(f"lsp-command:{document.uri}", command.id, values, selection, language,
+                             settings.command_max_tokens, spec_config(settings, command=True))
+    task, generating, cancelled = asyncio.current_task(), False, False
 
-    def cancel() -> None:
+    def cancel() -> None:  # the progress's cancel button: stop generating (once the edit is sent, it is too late)
         nonlocal cancelled
-        cancelled = True
-        job.cancel()
+        if generating and not cancelled:
+            cancelled = True
+            task.cancel()
 
     progress = Progress(server, command.title)
-    text, stats = "", None
+    text, stats, finished = "", None, False
     try:
         await progress.begin(cancel)
-        async for chunk in job:
-            text += chunk.text
-            stats = chunk.stats or stats
-            progress.report(stats)
-    except asyncio.CancelledError:  # $/cancelRequest
-        job.cancel()
-        progress.end("cancelled")
+        generating = True
+        # leaving this block (an error, a cancelled task) stops the generation: a cancelled job, a closed stream
+        async with aclosing(server.backend.rewrite(request)) as pieces:
+            async for piece in pieces:
+                text += piece.text
+                stats = piece.stats or stats
+                finished = finished or piece.final
+                progress.report(stats, len(text))
+    except asyncio.CancelledError:
+        if not cancelled:  # $/cancelRequest
+            progress.end("cancelled")
+            raise
+        task.uncancel()  # the progress's cancel: answered below
+    except JsonRpcException as exc:
+        progress.end(f"failed: {exc.message}")
         raise
-    except CodespecError as exc:
-        progress.end(f"failed: {exc}")
-        raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
     finally:
-        job.cancel()
-    if cancelled or job.result is None:
+        generating = False
+    if cancelled or not finished:  # a job cancelled from elsewhere ends without a result
         progress.end("cancelled")
         return {"applied": False, "cancelled": True, "stats": None}
     server.send_stats(command.id, stats)

@@ -16,20 +16,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 
-from pygls.exceptions import JsonRpcException
-
-from codespec.config import SamplingParams
 from codespec.context import extra as extra_context
 from codespec.context import treesitter
 from codespec.context.fim import SuffixTrimmer, fim_prompt, trim_to_suffix
-from codespec.errors import CodespecError
 
+from .backend import REQUEST_FAILED, InfillRequest, Unavailable  # noqa: F401 (REQUEST_FAILED: imported here too)
 from .documents import Document, clean_text
 from .settings import spec_config
 
-REQUEST_FAILED = -32803  # LSP's RequestFailed: valid params, but the server could not do it
 CHARS_PER_TOKEN = 3  # a cautious average for code: budgets in tokens become windows in characters
 SETTLED_SECONDS = 1.0  # a document feeds the shared pool once it has not been edited for this long
 SINGLE_LINE_TOKENS = 48  # a one-line completion needs no more
@@ -52,7 +49,7 @@ class Completer:
     def __init__(self, server):
         self.server = server
         self.latest: dict[str, int] = {}  # uri -> number of the newest request
-        self.jobs: dict[str, object] = {}  # uri -> the running Job
+        self.tasks: dict[str, tuple[int, asyncio.Task]] = {}  # uri -> (number, task) of the request in flight
         self.window_lines: dict[str, int] = {}  # uri -> line where the prefix window starts
         self.window_scopes: dict[str, tuple] = {}  # uri -> the scopes around that line (headers cut off above)
         self.extra_cache: dict[str, tuple] = {}  # uri -> (key, chunks)
@@ -61,9 +58,7 @@ class Completer:
     def forget(self, uri: str) -> None:
         """The document closed: cancel its completion and drop what was kept for the next keystroke."""
         self.latest.pop(uri, None)
-        job = self.jobs.pop(uri, None)
-        if job is not None:
-            job.cancel()
+        self.cancel(uri)
         self.window_lines.pop(uri, None)
         self.window_scopes.pop(uri, None)
         self.extra_cache.pop(uri, None)
@@ -71,25 +66,46 @@ class Completer:
     def is_current(self, uri: str, number: int) -> bool:
         return self.latest.get(uri) == number
 
+    def cancel(self, uri: str) -> None:
+        """Cancel the document's request in flight: its generation stops (a cancelled job, a closed HTTP
+        stream), and it answers with an empty result (complete)."""
+        stale = self.tasks.pop(uri, None)
+        if stale is not None:
+            stale[1].cancel()
+
     async def complete(self, uri: str, line: int, character: int, invoked: bool = False) -> Completion | None:
         """The completion at an LSP position, or None (superseded, a huge file, nothing worth showing).
         Raises the server's JSON-RPC errors for unknown documents and positions that do not exist."""
-        server, settings = self.server, self.server.settings
+        server = self.server
         number = next(self._numbers)
         self.latest[uri] = number
         document = server.document(uri)
         offset = server.offset(document, line, character)
+        self.cancel(uri)  # superseded: its text would land at the wrong place
+        task = asyncio.current_task()
+        self.tasks[uri] = (number, task)
+        try:
+            return await self._complete(uri, number, document, offset, line, character, invoked)
+        except asyncio.CancelledError:
+            if self.is_current(uri, number):  # the client cancelled it
+                raise
+            task.uncancel()  # superseded (or the document closed): an empty answer
+            return None
+        finally:
+            if self.tasks.get(uri, (None,))[0] == number:
+                del self.tasks[uri]
+
+    async def _complete(self, uri: str, number: int, document: Document, offset: int, line: int, character: int,
+                        invoked: bool) -> Completion | None:
+        server, settings = self.server, self.server.settings
         version = document.version
-        stale = self.jobs.pop(uri, None)
-        if stale is not None:
-            stale.cancel()  # superseded: its text would land at the wrong place
         if len(document.text) > settings.max_file_chars:
             return None
         if settings.debounce_ms and not invoked:
             await asyncio.sleep(settings.debounce_ms / 1000)
         if not self.is_current(uri, number):
             return None
-        scheduler = await server.ready()
+        await server.ready_to_generate()
         if not self.is_current(uri, number) or uri not in server.documents.open:
             return None
         if document.version != version:  # typed on during the debounce: the position is stale, a newer request is due
@@ -97,48 +113,35 @@ class Completer:
 
         cursor_line, column = document.line_column(offset)
         context = treesitter.analyze(document.text, cursor_line, column, document.tree())
-        prompt_inputs = self._prompt_inputs(document, offset)
-        prompt = await scheduler.acall(self._build_prompt, *prompt_inputs)
-        if not self.is_current(uri, number):
-            return None
-        limit = settings.max_tokens if context.multiline else min(settings.max_tokens, SINGLE_LINE_TOKENS)
-        limit = min(limit, server.context_length() - len(prompt.ids) - 1)
-        if limit < 1:
-            return None
-        params = SamplingParams(max_tokens=limit, stop=() if context.multiline else ("\n",))
-        try:
-            job = scheduler.submit(prompt.ids, params, session_id=session_id(uri), spec=spec_config(settings))
-        except CodespecError as exc:
-            raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
-        self.jobs[uri] = job
-        suffix = prompt_inputs[2]
-        trimmer = SuffixTrimmer(suffix)
+        request = self._request(document, offset, context)
+        trimmer = SuffixTrimmer(request.suffix)
         text, stats = "", None
         try:
-            async for chunk in job:
-                stats = chunk.stats or stats
-                text += chunk.text
-                trimmer.feed(chunk.text)
-                if not self.is_current(uri, number):
-                    return None
-                if (context.multiline and treesitter.block_end(text, context.block_indent) < len(text)) \
-                        or trimmer.done:
-                    break  # the rest would be cut anyway: stop paying for it
-        except CodespecError as exc:  # e.g. the queue is full
-            raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
-        finally:
-            job.cancel()  # no-op when it finished; frees the engine when we stopped early or were cancelled
-            if self.jobs.get(uri) is job:
-                del self.jobs[uri]
-        if not self.is_current(uri, number):  # superseded while generating: its job was cancelled midway
+            # leaving this block early (a break, a cancelled task) stops the generation: the backend cancels
+            # its job or closes its HTTP stream
+            async with aclosing(server.backend.infill(request)) as pieces:
+                async for piece in pieces:
+                    stats = piece.stats or stats
+                    text += piece.text
+                    trimmer.feed(piece.text)
+                    if not self.is_current(uri, number):
+                        return None
+                    if (context.multiline and treesitter.block_end(text, context.block_indent) < len(text)) \
+                            or trimmer.done:
+                        break  # the rest would be cut anyway: stop paying for it
+        except Unavailable as exc:  # a busy or unreachable server: the next keystroke asks again
+            server.report_unavailable(exc)
+            return None
+        server.report_unavailable(None)
+        if not self.is_current(uri, number):  # superseded while generating: its generation was stopped midway
             return None
         if context.multiline:
             text = text[: treesitter.block_end(text, context.block_indent)]
-        text = trim_to_suffix(text, suffix).rstrip()
+        text = trim_to_suffix(text, request.suffix).rstrip()
         server.send_stats("completion", stats)
         return Completion(text, line, character, context, stats) if text.strip() else None
 
-    def _prompt_inputs(self, document: Document, offset: int):
+    def _request(self, document: Document, offset: int, context) -> InfillRequest:
         """Snapshot, on the event loop, what the prompt is built from: documents change under us otherwise."""
         settings = self.server.settings
         cursor_line = document.line_column(offset)[0]
@@ -156,7 +159,9 @@ class Completer:
         query = prefix[-2000:] + suffix[:500]
         settled = [(d.uri, d.version, d.text) for d in self.server.documents.open.values()
                    if time.monotonic() - d.edited_at >= SETTLED_SECONDS and len(d.text) <= settings.max_file_chars]
-        return (document.uri, prefix, suffix, scopes, others, key, chunks, query, settled)
+        limit = settings.max_tokens if context.multiline else min(settings.max_tokens, SINGLE_LINE_TOKENS)
+        return InfillRequest(session_id(document.uri), document.uri, prefix, suffix, scopes, others, key, chunks,
+                             query, settled, limit, () if context.multiline else ("\n",), spec_config(settings))
 
     def _window_start(self, document: Document, offset: int, budget_chars: int) -> int:
         """The line where the prefix window starts: kept from the last request while the window still fits,
@@ -191,27 +196,37 @@ class Completer:
         self.window_scopes[document.uri] = (start_line, scopes)
         return scopes
 
-    def _build_prompt(self, engine, uri, prefix, suffix, scopes, others, key, chunks, query, settled):
-        """On the engine's thread: feed settled documents to the shared pool, pick other files' chunks,
-        tokenise."""
+    def build_prompt(self, engine, request: InfillRequest):
+        """On the engine's thread (in process): feed settled documents to the shared pool, pick other files'
+        chunks, tokenise."""
         settings = self.server.settings
         if "ngram-mod" in settings.spec:  # open files teach the shared pool (Engine.teach)
-            for document_uri, version, text in settled:
+            for document_uri, version, text in request.settled:
                 engine.teach(document_uri, text, version)
         tokenizer = engine.tokenizer
-        if chunks is None:
-            def count(text: str) -> int:
-                return len(tokenizer(text, add_special_tokens=False).input_ids)
 
-            picked = extra_context.pick_chunks(others, query, settings.extra_tokens, count,
+        def count(text: str) -> int:
+            return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+        extra = self.extra_chunks(request, count)
+        budget = engine.context_length - settings.max_tokens - 1
+        return fim_prompt(tokenizer, request.prefix, request.suffix, extra, filename=filename_of(request.uri),
+                          max_tokens=budget)
+
+    def extra_chunks(self, request: InfillRequest, count) -> list[tuple[str, str]]:
+        """(filename, text) of the other files' chunks, picked with `count` (text -> tokens) unless the ones
+        picked for the same window and files are at hand, then the enclosing scopes' headers."""
+        settings = self.server.settings
+        chunks = request.chunks
+        if chunks is None:
+            picked = extra_context.pick_chunks(request.others, request.query, settings.extra_tokens, count,
                                                max_chars_per_file=settings.max_file_chars)
             chunks = [(chunk.filename, chunk.text) for chunk in picked]
-            self.extra_cache[uri] = (key, chunks)
+            self.extra_cache[request.uri] = (request.extra_key, chunks)
         extra = list(chunks)
-        if scopes:  # the enclosing class/function headers above the window: where the cursor is
-            extra.append((filename_of(uri), "\n".join(scope.header for scope in scopes) + "\n"))
-        budget = engine.context_length - settings.max_tokens - 1
-        return fim_prompt(tokenizer, prefix, suffix, extra, filename=filename_of(uri), max_tokens=budget)
+        if request.scopes:  # the enclosing class/function headers above the window: where the cursor is
+            extra.append((filename_of(request.uri), "\n".join(scope.header for scope in request.scopes) + "\n"))
+        return extra
 
 
 def filename_of(uri: str) -> str:

@@ -33,6 +33,7 @@ from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 
 from . import commands, settings as settings_module
+from .backend import LocalBackend
 from .completion import REQUEST_FAILED, Completer, session_id
 from .documents import Document, Documents, PositionError
 from .framing import CheckedInput
@@ -106,10 +107,12 @@ class CodespecProtocol(LanguageServerProtocol):
 
 
 class CodespecServer(LanguageServer):
-    def __init__(self, model_config: ModelConfig | None = None, scheduler=None, model_fixed: bool = False):
+    def __init__(self, model_config: ModelConfig | None = None, scheduler=None, model_fixed: bool = False,
+                 server_url: str | None = None, api_key: str | None = None):
         """scheduler: share an engine already running in this process (an HTTP server's); else the model named by
         the settings is loaded after initialize. model_fixed: the model came from the command line and wins
-        over initializationOptions."""
+        over initializationOptions. server_url: generate on that codespec HTTP server instead (no model here);
+        api_key: its key (else $CODESPEC_API_KEY; the api_key setting replaces either)."""
         super().__init__(SERVER_NAME, __version__, protocol_cls=CodespecProtocol,
                          text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.settings = Settings()
@@ -121,7 +124,15 @@ class CodespecServer(LanguageServer):
         self._loaded: Future = Future()
         if scheduler is not None:
             self._loaded.set_result(scheduler)
-        self._loading = scheduler is not None
+        self.remote = server_url is not None
+        self._loading = scheduler is not None or self.remote  # a thin language server never loads a model
+        if self.remote:
+            from .remote import RemoteBackend  # httpx is only imported by a thin language server
+
+            self.backend = RemoteBackend(server_url, self.completer.extra_chunks, api_key)
+        else:
+            self.backend = LocalBackend(self)
+        self._unavailable: str | None = None  # the last "server unavailable" message logged
 
     # --- the engine ------------------------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -154,8 +165,23 @@ class CodespecServer(LanguageServer):
         except Exception as exc:
             raise JsonRpcException(code=REQUEST_FAILED, message=f"the model could not be loaded: {exc}") from None
 
+    async def ready_to_generate(self) -> None:
+        """Wait for the model in process (a RequestFailed error if it could not be loaded); a thin language
+        server's backend is always ready (its errors come with each request)."""
+        if not self.remote:
+            await self.ready()
+
     def context_length(self) -> int:
         return self._loaded.result().engine.context_length
+
+    def report_unavailable(self, error: Exception | None) -> None:
+        """A completion found the remote server busy or unreachable (it answered with an empty result): say so
+        once in the client's log, and again only after a completion got through."""
+        message = None if error is None else str(getattr(error, "message", error))
+        if message is not None and self._unavailable is None:
+            self.window_log_message(types.LogMessageParams(type=types.MessageType.Warning,
+                                                           message=f"codespec: {message}"))
+        self._unavailable = message
 
     def report_server_error(self, error: Exception, source) -> None:
         if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):  # a message body that is not JSON
@@ -180,6 +206,11 @@ class CodespecServer(LanguageServer):
     def configure(self, values: dict | None, source: str) -> None:
         if not values:
             return
+        values = dict(values)
+        for key in ("api_key", "apiKey"):  # a secret, not a protocol setting: kept out of protocol.json's schema
+            key_value = values.pop(key, None)
+            if isinstance(key_value, str) and key_value and self.remote:
+                self.backend.api_key = key_value
         model = self.settings.model
         self.settings, problems = settings_module.apply(self.settings, values)
         if self._loading and self.settings.model != model:
@@ -217,8 +248,9 @@ class CodespecServer(LanguageServer):
         await scheduler.acall(drop)
 
 
-def build_server(model_config: ModelConfig | None = None, scheduler=None, model_fixed: bool = False) -> CodespecServer:
-    server = CodespecServer(model_config, scheduler, model_fixed)
+def build_server(model_config: ModelConfig | None = None, scheduler=None, model_fixed: bool = False,
+                 server_url: str | None = None, api_key: str | None = None) -> CodespecServer:
+    server = CodespecServer(model_config, scheduler, model_fixed, server_url, api_key)
 
     @server.feature(types.INITIALIZE)
     def initialize(ls: CodespecServer, params: types.InitializeParams):
@@ -308,10 +340,10 @@ def command_handler(command_id: str):
 
 
 def serve(model_config: ModelConfig | None = None, model_fixed: bool = False,
-          tcp: tuple[str, int] | None = None) -> None:
+          tcp: tuple[str, int] | None = None, server_url: str | None = None, api_key: str | None = None) -> None:
     """Run until the client exits: over stdio, or on a TCP port for one client."""
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")  # stderr: stdout is the protocol
-    server = build_server(model_config, model_fixed=model_fixed)
+    server = build_server(model_config, model_fixed=model_fixed, server_url=server_url, api_key=api_key)
     if tcp is not None:
         server.start_tcp(*tcp)
         return
