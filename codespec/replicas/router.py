@@ -5,10 +5,12 @@ this module by value into each routing process: shared state is live.py's, reach
 
 from __future__ import annotations
 
+import time
+
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from . import live
-from .routing import HashRing, Hint, PrefixIndex, rank_replicas
+from .routing import HashRing, Hint, PrefixIndex, SessionTable, rank_replicas
 
 
 class SessionRouter(RequestRouter):
@@ -21,6 +23,7 @@ class SessionRouter(RequestRouter):
         self.spill_at = 16
         self._ring = HashRing([])
         self._prefixes = PrefixIndex()
+        self._sessions = SessionTable()
         self._decisions: dict[str, tuple[str, str | None, list[int]]] = {}  # request id -> reason, home, prefix
         live.add_router(self)
 
@@ -50,7 +53,8 @@ class SessionRouter(RequestRouter):
             hint = Hint(session=pending_request.metadata.session_id, pin=hint.pin)
         ids = sorted(by_id)
         loads = {rid: self._replica_queue_len_cache.get(replica.replica_id) for rid, replica in by_id.items()}
-        route = rank_replicas(ids, loads, hint, self.spill_at, self._ring_for(ids), self._prefixes)
+        route = rank_replicas(ids, loads, hint, self.spill_at, self._ring_for(ids), self._prefixes, self._sessions,
+                              time.monotonic())
         self._decisions[pending_request.metadata.internal_request_id] = (route.reason, route.home, hint.prefix)
         if len(self._decisions) > 4096:  # requests cancelled before routing never reach on_request_routed
             self._decisions.pop(next(iter(self._decisions)))

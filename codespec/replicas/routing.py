@@ -1,10 +1,13 @@
 """The replica routing policy as pure functions: no Ray here, so it is unit-tested on its own (router.py applies it
 inside Ray Serve's request router; gateway.py extracts its inputs from the HTTP request).
 
-- A request that names a session goes to the replica that owns the session on a consistent-hash ring (virtual
-  nodes, so adding or losing a replica moves only that replica's share of the sessions); when that replica is
-  saturated (`spill_at` requests in flight, all its engine's turns taken) and another is less loaded, it spills to
-  the least loaded one, for this request only.
+- A request that names a session goes to the session's home replica: the owner on a consistent-hash ring (virtual
+  nodes, so adding or losing a replica moves only that replica's share of the sessions), with bounded loads
+  (Mirrokni, Thorup and Zadimoghaddam 2018): a new session skips, clockwise, replicas that already hold more than
+  BALANCE times their share of the active sessions, so 8 editors on 2 replicas end up 4+4 or 5+3, never 7+1. A
+  session keeps its home while it is active (SessionTable), also when a replica is added; only a dead replica's
+  sessions move. When the home is saturated (`spill_at` requests in flight, all its engine's turns taken) and
+  another replica is less loaded, the request spills to the least loaded one, for this request only.
 - A request that names none goes where its prompt's longest prefix went before (a chained hash per block of the
   prompt text, looked up in a bounded index: a few microseconds), else to the least loaded replica.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from collections import OrderedDict
+import math
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +26,9 @@ VIRTUAL_NODES = 100  # ring positions per replica: sessions spread within a few 
 PREFIX_BLOCK_CHARS = 256  # prompt text per prefix-hash block (about 64 tokens of code)
 PREFIX_BLOCKS = 64  # blocks hashed per prompt: the first 16K characters decide where a prompt goes
 PREFIX_INDEX_SIZE = 1 << 16  # block hashes remembered (least recently routed forgotten first)
+BALANCE = 1.25  # a replica takes new sessions while it holds at most this many times its share of the active ones
+SESSION_IDLE_SECONDS = 1800.0  # a session unused this long is no longer active (its home is forgotten)
+SESSION_TABLE_SIZE = 1 << 16  # active sessions remembered (least recently used forgotten first)
 SESSION_HEADER = "x-session-id"  # the header other gateways route sticky sessions by (Ray Serve, LiteLLM)
 
 
@@ -57,6 +64,40 @@ class HashRing:
     def owner(self, key: str) -> str | None:
         order = self.successors(key)
         return order[0] if order else None
+
+
+class SessionTable:
+    """Each active session's home replica: consistent hashing with bounded loads, sticky while the session is used."""
+
+    def __init__(self, balance: float = BALANCE, idle_seconds: float = SESSION_IDLE_SECONDS,
+                 capacity: int = SESSION_TABLE_SIZE):
+        self.balance, self.idle_seconds, self.capacity = balance, idle_seconds, capacity
+        self._homes: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> (replica, last used)
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def home(self, session: str, ring: HashRing, now: float) -> str | None:
+        """The session's home among the ring's replicas, assigning one if it has none there (or its home died)."""
+        known = self._homes.get(session)
+        if known is not None and known[0] in ring.replicas:
+            self._homes[session] = (known[0], now)
+            self._homes.move_to_end(session)
+            return known[0]
+        self._homes.pop(session, None)
+        while self._homes and (len(self._homes) >= self.capacity
+                               or now - next(iter(self._homes.values()))[1] > self.idle_seconds):
+            self._homes.popitem(last=False)
+        held = Counter(replica for replica, _ in self._homes.values() if replica in ring.replicas)
+        bound = math.ceil(self.balance * (sum(held.values()) + 1) / max(1, len(ring.replicas)))
+        order = ring.successors(session)
+        home = next((replica for replica in order if held[replica] < bound), order[0] if order else None)
+        if home is not None:
+            self._homes[session] = (home, now)
+        return home
+
+    def sessions_of(self, replica: str) -> list[str]:
+        return [session for session, (where, _) in self._homes.items() if where == replica]
 
 
 def prefix_hashes(text: str, block_chars: int = PREFIX_BLOCK_CHARS, max_blocks: int = PREFIX_BLOCKS) -> list[int]:
@@ -121,8 +162,10 @@ class Hint:
 
 
 def rank_replicas(replicas: Sequence[str], loads: Mapping[str, int | None], hint: Hint, spill_at: int,
-                  ring: HashRing | None = None, index: PrefixIndex | None = None) -> Route:
-    """Where a request should go. `loads`: requests in flight per replica (None: not known, taken as idle)."""
+                  ring: HashRing | None = None, index: PrefixIndex | None = None, table: SessionTable | None = None,
+                  now: float = 0.0) -> Route:
+    """Where a request should go. `loads`: requests in flight per replica (None: not known, taken as idle). Without
+    a SessionTable a session's home is its plain ring owner."""
     alive = list(dict.fromkeys(replicas))
     if not alive:
         return Route([], "least-loaded")
@@ -133,9 +176,10 @@ def rank_replicas(replicas: Sequence[str], loads: Mapping[str, int | None], hint
     if hint.pin is not None:
         return Route([[hint.pin]] if hint.pin in alive else [], "pinned", hint.pin)
     if hint.session is not None:
-        order = (ring if ring is not None and ring.replicas == frozenset(alive) else HashRing(alive)).successors(
-            hint.session)
-        home, others = order[0], order[1:]
+        ring = ring if ring is not None and ring.replicas == frozenset(alive) else HashRing(alive)
+        order = ring.successors(hint.session)
+        home = table.home(hint.session, ring, now) if table is not None else order[0]
+        others = [r for r in order if r != home]
         lighter = [r for r in others if load(r) < load(home)]
         if load(home) >= spill_at and lighter:
             return Route([lighter, [home]], "spill", home)  # Ray picks the least loaded of the first rank

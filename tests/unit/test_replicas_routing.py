@@ -6,8 +6,8 @@ from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from codespec.replicas.routing import (HashRing, Hint, PrefixIndex, merge_metrics, prefix_hashes, rank_replicas,
-                                       request_hint)
+from codespec.replicas.routing import (HashRing, Hint, PrefixIndex, SessionTable, merge_metrics, prefix_hashes,
+                                       rank_replicas, request_hint)
 
 REPLICAS = ["r-a", "r-b", "r-c"]
 SESSIONS = [f"session-{i}" for i in range(3000)]
@@ -53,6 +53,50 @@ def test_session_goes_home_then_spills_to_least_loaded_when_saturated():
     assert rank_replicas(REPLICAS, below, Hint(session="editor-1"), spill_at=4, ring=ring).ranks[0] == [home]
     everyone = {r: 9 for r in REPLICAS}  # all saturated: moving would only lose the cache
     assert rank_replicas(REPLICAS, everyone, Hint(session="editor-1"), spill_at=4, ring=ring).reason == "session"
+
+
+def test_bounded_loads_spread_a_few_sessions_and_stay_sticky():
+    two = ["r-a", "r-b"]
+    ring = HashRing(two)
+    worst = 0
+    for trial in range(200):  # many sets of 8 session names: plain hashing puts 7 or 8 on one replica in ~7% of them
+        names = [f"t{trial}-editor-{i}" for i in range(8)]
+        table = SessionTable()
+        homes = [table.home(name, ring, now=0.0) for name in names]
+        worst = max(worst, max(Counter(homes).values()))
+        assert [table.home(name, ring, now=1.0) for name in names] == homes  # sticky
+    assert worst <= 5  # ceil(1.25 * 8 / 2)
+    plain = [max(Counter(ring.owner(f"t{t}-editor-{i}") for i in range(8)).values()) for t in range(200)]
+    assert max(plain) >= 7  # what the bound prevents
+
+
+def test_session_table_moves_only_a_dead_replicas_sessions_and_forgets_idle_ones():
+    ring = HashRing(REPLICAS)
+    table = SessionTable()
+    names = [f"s{i}" for i in range(30)]
+    homes = {name: table.home(name, ring, now=0.0) for name in names}
+    survivors = HashRing(["r-a", "r-c"])
+    after = {name: table.home(name, survivors, now=1.0) for name in names}
+    for name in names:
+        if homes[name] != "r-b":
+            assert after[name] == homes[name]
+        else:
+            assert after[name] in ("r-a", "r-c")
+    grown = HashRing([*REPLICAS, "r-d"])  # a replacement or a new replica: active sessions stay where they are
+    assert {name: table.home(name, grown, now=2.0) for name in names} == after
+    assert table.sessions_of("r-d") == [] and table.home("new-one", grown, now=2.0) == "r-d"  # it takes new ones
+    idle = SessionTable(idle_seconds=10)
+    idle.home("old", ring, now=0.0)
+    idle.home("fresh", ring, now=20.0)
+    assert len(idle) == 1
+
+
+def test_rank_replicas_uses_the_session_table():
+    ring = HashRing(REPLICAS)
+    table = SessionTable()
+    route = rank_replicas(REPLICAS, {}, Hint(session="x"), spill_at=4, ring=ring, table=table, now=0.0)
+    assert route.home == table.home("x", ring, now=0.0) and route.ranks[0] == [route.home]
+    assert sorted(route.ranks[1]) == sorted(r for r in REPLICAS if r != route.home)
 
 
 def test_unknown_loads_count_as_idle_and_a_stale_ring_is_not_used():
