@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-memory", type=bounded_int(0, 1 << 20), default=server.session_memory >> 20,
                        metavar="MB", help=f"KV-cache MB named sessions may hold before the least recently used are "
                                           f"evicted (default {server.session_memory >> 20})")
+    serve.add_argument("-n", "--n-predict", type=int, default=None, metavar="N",
+                       help="most tokens a request generates: those that set no n_predict/max_tokens get N, those "
+                            "asking for more are cut to N (llama-server's -n; default: a [sampling] max_tokens in "
+                            "--config, else -1: until the end of the text or of the context)")
 
     bench = commands.add_parser("bench", help="measure speculation against plain decoding and transformers")
     add_model_options(bench)
@@ -365,14 +369,15 @@ def run_serve(args) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, max_queue=args.max_queue,
                           parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20,
                           allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                          read_timeout=args.read_timeout)
+                          read_timeout=args.read_timeout, n_predict=serve_n_predict(args))
     try:
         config.validate()
     except ValueError as exc:
         raise CodespecError(str(exc)) from None
     engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
     name = DEFAULT_NAME if model_config.model in DEFAULT_ALIASES else model_config.model
-    app = create_app(engine, config, params, spec, model_name=name)
+    aliases = DEFAULT_ALIASES if model_config.model in DEFAULT_ALIASES else ()  # smollm2, default
+    app = create_app(engine, config, params, spec, model_name=name, model_aliases=aliases)
     print(f"codespec: serving {name} on http://{config.host}:{config.port} (/infill, /v1/completions, "
           f"/v1/chat/completions, /metrics, /slots)", file=sys.stderr, flush=True)
     try:
@@ -380,6 +385,17 @@ def run_serve(args) -> int:
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind
         raise CodespecError(f"cannot serve on {config.host}:{config.port} (is the port in use?)") from exc
     return 0
+
+
+def serve_n_predict(args) -> int:
+    """--n-predict, else the --config file's [sampling] max_tokens (the server's default length before there was
+    --n-predict), else -1."""
+    if args.n_predict is not None:
+        return args.n_predict
+    from .config import load_toml
+
+    loaded = load_toml(args.config) if args.config else {}  # read (and checked) by settings_from_args already
+    return loaded.get("sampling", {}).get("max_tokens", ServerConfig.n_predict)
 
 
 def run_pull(args) -> int:

@@ -24,18 +24,32 @@ from ..config import SamplingParams, ServerConfig
 from ..context.fim import SuffixTrimmer, fim_prompt
 from ..errors import CodespecError
 from ..scheduler import QueueFull, Scheduler
-from .generation import Generations, Plan, Prompt, Run
+from .generation import UNLIMITED_ROOM, Generations, Plan, Prompt, Run
 from .metrics import Metrics
 from .middleware import ApiKey, BrowserGuard, JsonByDefault, ReadTimeout, RequestMetrics, SizeLimit
 from .postprocess import IndentLimit
 from .schemas import (ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, ErrorResponse, Health,
-                      InfillRequest, InfillResponse, ModelList, SelectedFields, Slot)
+                      InfillRequest, InfillResponse, LlamaCompletionRequest, ModelCard, ModelList, OpenAIOptions,
+                      SelectedFields, Slot)
 
 log = logging.getLogger("codespec.server")
 # every route: a wrong key, a foreign Host or Origin, a bug; a body's routes: its mistakes, limits and the queue
 ANY_ROUTE_ERRORS = {status: {"model": ErrorResponse} for status in (401, 403, 500)}
 BODY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 422, 429)}
-ROUTES = {"/infill", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics", "/slots"}
+ROUTES = {"/infill", "/completion", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics",
+          "/slots"}
+
+
+class Unsupported(CodespecError):
+    """A parameter whose value codespec cannot honour: a 400 that names it (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownModel(Exception):
+    """A model name this server does not serve: OpenAI's 404 model_not_found."""
 
 
 def streamed(description: str) -> dict:
@@ -85,8 +99,10 @@ def select_fields(body: dict, fields: list[str] | None) -> dict:
 
 
 def create_app(engine, config: ServerConfig | None = None, params: SamplingParams | None = None, spec=None,
-               model_name: str = "codespec") -> FastAPI:
+               model_name: str = "codespec", model_aliases=()) -> FastAPI:
+    """model_name: the id /v1/models lists; a request's `model` must be it, one of model_aliases, or empty."""
     config = config or ServerConfig()
+    known_models = {model_name, *model_aliases}
     config.validate()
     engine.session_memory = config.session_memory
     scheduler = Scheduler(engine, config.max_queue, config.parallel)
@@ -111,7 +127,12 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
 
     @app.exception_handler(CodespecError)
     async def bad_request(request, exc):
-        return error(400, str(exc))
+        return error(400, str(exc), **({"param": exc.param} if isinstance(exc, Unsupported) else {}))
+
+    @app.exception_handler(UnknownModel)
+    async def unknown_model(request, exc):
+        return error(404, f"The model '{exc}' does not exist; this server serves '{model_name}' (GET /v1/models)",
+                     param="model", code="model_not_found")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
@@ -140,6 +161,22 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         return getattr(request.state, "tenant", "")
 
     # -- helpers shared by the generation routes -------------------------------------------------------------
+
+    def check_model(name: str | None) -> None:
+        """OpenAI answers 404 for a model it does not serve; no name or "" (llama.vim's default) is this one."""
+        if name and name not in known_models:
+            raise UnknownModel(name)
+
+    def check_openai(body: OpenAIOptions) -> None:
+        check_model(body.model)
+        problem = body.unsupported()
+        if problem:
+            raise Unsupported(*problem)
+
+    def answer(body: dict, fields: list[str] | None):
+        """A whole (not streamed) answer, or llama.cpp's response_fields selection of it (not validated against the
+        route's model: that would take a selection for a broken body)."""
+        return JSONResponse(select_fields(body, fields)) if fields else body
 
     async def finish(request: Request, run: Run) -> Response | None:
         """Collect a run while watching the client; None when it completed, a 499 when the client left."""
@@ -170,12 +207,13 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                 "prompt_tokens_details": {"cached_tokens": run.cached}}
 
     async def stream_events(run: Run, piece, last, done: bool):
-        """SSE: one event per text piece, then the last one; `data: [DONE]` after it for OpenAI routes. The status
+        """SSE: one event per text piece, then the last ones; `data: [DONE]` after them for OpenAI routes. The status
         line is sent already when something fails: the error is the last event (then [DONE]), not a cut stream."""
         try:
             async for delta in generations.deltas(run):
                 yield sse(piece(delta))
-            yield sse(last())
+            for event in last():
+                yield sse(event)
         except CodespecError as exc:
             yield error_event(400, str(exc), "invalid_request_error")
         except Exception as exc:
@@ -193,13 +231,15 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                          **BODY_ERRORS})
     async def infill(body: InfillRequest, request: Request):
         """llama.cpp's fill-in-the-middle endpoint (llama.vim's). `n_predict: 0` only warms the session's cache."""
-        warm_only = body.n_predict == 0
-        params, spec = generations.settings(body, body.n_predict if body.n_predict > 0 else None)
+        warm_only = body.requested_tokens() == 0
+        params, spec = generations.settings(body)
         extra = [(chunk.filename, chunk.text) for chunk in body.input_extra]
+        # the context the text may need: what was asked for, else a little (generation ends where the context does)
+        room = 0 if warm_only else params.max_tokens if body.requested_tokens() > 0 else min(params.max_tokens,
+                                                                                               UNLIMITED_ROOM)
 
         def build(engine) -> Prompt:
-            budget = max(engine.context_length - (0 if warm_only else params.max_tokens) - 1,
-                         engine.context_length // 2)
+            budget = max(engine.context_length - room - 1, engine.context_length // 2)
             fim = fim_prompt(engine.tokenizer, body.input_prefix + body.prompt, body.input_suffix, extra,
                              body.filename, max_tokens=budget)
             limits = []
@@ -214,34 +254,57 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                                            body.cache_prompt, warm_only, body.t_max_predict_ms, namespace))
         if body.stream and not warm_only:
             return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
-                                              lambda: {**infill_body(run), "content": ""}, done=False))
-        gone = await finish(request, run)
-        if gone:
-            return gone
-        if body.response_fields:  # a selection: not validated (the union would take a broken body for one)
-            return JSONResponse(select_fields(infill_body(run), body.response_fields))
-        return InfillResponse.model_validate(infill_body(run))
+                                              lambda: [{**infill_body(run), "content": ""}], done=False))
+        if body.response_fields:
+            return await finish(request, run) or answer(infill_body(run), body.response_fields)
+        return await finish(request, run) or InfillResponse.model_validate(infill_body(run))
+
+    @app.post("/completion", response_model=InfillResponse | SelectedFields,
+              responses={**streamed('{"content": piece, "stop": false} events, then the InfillResponse with '
+                                    'empty content; a failure: {"error": ...}'),
+                         **BODY_ERRORS})
+    async def completion(body: LlamaCompletionRequest, request: Request):
+        """llama.cpp's own completion endpoint: the prompt (text or token ids) continued, answered as /infill is.
+        `n_predict: 0` only warms the session's cache."""
+        warm_only = body.requested_tokens() == 0
+        params, spec = generations.settings(body)
+
+        def build(engine) -> Prompt:
+            limits = [IndentLimit(body.n_indent)] if body.n_indent else []
+            return Prompt(prompt_ids(engine, body.prompt), limits=limits)
+
+        namespace = tenant(request)
+        run = await generations.start(Plan("/completion", build, params, spec,
+                                           generations.session_name(body, namespace), body.cache_prompt, warm_only,
+                                           body.t_max_predict_ms, namespace))
+        if body.stream and not warm_only:
+            return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
+                                              lambda: [{**infill_body(run), "content": ""}], done=False))
+        if body.response_fields:
+            return await finish(request, run) or answer(infill_body(run), body.response_fields)
+        return await finish(request, run) or InfillResponse.model_validate(infill_body(run))
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**streamed("OpenAI completion chunks (a failure: {\"error\": ...}), then [DONE]"),
                          **BODY_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
-        """OpenAI text completion; with `suffix`, fill-in-the-middle."""
-        params, spec = generations.settings(body, body.max_tokens)
+        """OpenAI text completion; with `suffix`, fill-in-the-middle. `n_predict` or `max_tokens` 0 only warms
+        the session's cache."""
+        check_openai(body)
+        warm_only = body.requested_tokens() == 0
+        params, spec = generations.settings(body)
 
         def build(engine) -> Prompt:
             if body.suffix is None:
-                if not body.prompt:
-                    raise CodespecError("the prompt is empty")
-                return Prompt(engine.encode(body.prompt))  # exactly as `codespec generate` tokenises it
+                return Prompt(prompt_ids(engine, body.prompt))
             fim = fim_prompt(engine.tokenizer, body.prompt, body.suffix)
             limits = [SuffixTrimmer(body.suffix)] if fim.format is None and body.suffix.strip() else []
             return Prompt(fim.ids, False, fim.stop_ids, limits)
 
         namespace = tenant(request)
         run = await generations.start(Plan("/v1/completions", build, params, spec,
-                                           generations.session_name(body, namespace), body.cache_prompt,
-                                           tenant=namespace))
+                                           generations.session_name(body, namespace), body.cache_prompt, warm_only,
+                                           body.t_max_predict_ms, namespace))
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text, finish_reason=None, **more):
@@ -253,16 +316,24 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
             return chunk(text, run.finish_reason, usage=usage(run), timings=run.timings(),
                          speculation=run.speculation())
 
-        if body.stream:
-            return event_stream(stream_events(run, chunk, lambda: complete(""), done=True))
-        return await finish(request, run) or complete(run.text)
+        def last():
+            usage_only = {"id": ident, "object": "text_completion", "created": created, "model": model_name,
+                          "choices": [], "usage": usage(run)}
+            return [complete(""), *([usage_only] if body.include_usage else [])]
+
+        if body.stream and not warm_only:
+            return event_stream(stream_events(run, chunk, last, done=True))
+        return await finish(request, run) or answer(complete(run.text), body.response_fields)
 
     @app.post("/v1/chat/completions", response_model=ChatResponse,
               responses={**streamed("OpenAI chat completion chunks (a failure: {\"error\": ...}), then [DONE]"),
                          **BODY_ERRORS})
     async def chat(body: ChatRequest, request: Request):
-        """OpenAI chat completion, with the model's chat template."""
-        params, spec = generations.settings(body, body.max_tokens)
+        """OpenAI chat completion, with the model's chat template. `n_predict` or `max_tokens` 0 only warms the
+        session's cache (llama.vim's instruction warm-up)."""
+        check_openai(body)
+        warm_only = body.requested_tokens() == 0
+        params, spec = generations.settings(body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
 
@@ -275,8 +346,8 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
 
         namespace = tenant(request)
         run = await generations.start(Plan("/v1/chat/completions", build, params, spec,
-                                           generations.session_name(body, namespace), body.cache_prompt,
-                                           tenant=namespace))
+                                           generations.session_name(body, namespace), body.cache_prompt, warm_only,
+                                           body.t_max_predict_ms, namespace))
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first = [True]
 
@@ -286,27 +357,38 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
             return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "choices": [{"index": 0, "delta": content, "finish_reason": finish_reason}], **more}
 
-        if body.stream:
-            return event_stream(stream_events(
-                run, chunk, lambda: chunk("", run.finish_reason, usage=usage(run), timings=run.timings(),
-                                          speculation=run.speculation()), done=True))
-        gone = await finish(request, run)
-        return gone or {
+        def last():
+            usage_only = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                          "choices": [], "usage": usage(run)}
+            return [chunk("", run.finish_reason, usage=usage(run), timings=run.timings(),
+                          speculation=run.speculation()), *([usage_only] if body.include_usage else [])]
+
+        if body.stream and not warm_only:
+            return event_stream(stream_events(run, chunk, last, done=True))
+        return await finish(request, run) or answer({
             "id": ident, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": run.text},
                          "finish_reason": run.finish_reason}],
-            "usage": usage(run), "timings": run.timings(), "speculation": run.speculation()}
+            "usage": usage(run), "timings": run.timings(), "speculation": run.speculation()}, body.response_fields)
 
     @app.get("/health", response_model=Health)
     async def health():
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "codespec",
+                "meta": {"context_length": engine.context_length, "spec": list(generations.spec.spec),
+                         "vocab_size": int(engine.model.config.vocab_size)}}
+
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "codespec",
-            "meta": {"context_length": engine.context_length, "spec": list(generations.spec.spec),
-                     "vocab_size": int(engine.model.config.vocab_size)}}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def model(model: str):
+        """The served model, under its id or an alias; any other name is OpenAI's 404 model_not_found."""
+        check_model(model or "?")
+        return model_card()
 
     @app.get("/slots", response_model=list[Slot])
     async def slots(request: Request):
@@ -349,6 +431,18 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                        allowed_origins=config.allowed_origins)
     app.add_middleware(RequestMetrics, metrics=metrics, routes=ROUTES)
     return app
+
+
+def prompt_ids(engine, prompt: str | list[int]) -> list[int]:
+    """A prompt's tokens: text exactly as `codespec generate` tokenises it; token ids checked to be in the
+    vocabulary."""
+    if isinstance(prompt, str):
+        return engine.encode(prompt)  # raises "the prompt is empty" for ""
+    vocabulary = int(engine.model.config.vocab_size)
+    outside = next((token for token in prompt if token >= vocabulary), None)
+    if outside is not None:
+        raise Unsupported("prompt", f"token id {outside} is outside the vocabulary (0..{vocabulary - 1})")
+    return list(prompt)
 
 
 async def disconnected(request: Request) -> None:

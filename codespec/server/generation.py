@@ -29,6 +29,7 @@ from ..stats import GenerationStats
 from .postprocess import OutputFilter
 
 MIN_REUSE = 8  # shared prompt tokens that make a slot worth reusing over an empty one
+UNLIMITED_ROOM = 256  # context kept free for the text when a request sets no limit (/infill cuts its prompt to fit)
 
 
 @dataclass
@@ -119,8 +120,16 @@ class Generations:
     def __init__(self, scheduler, metrics, config: ServerConfig, params: SamplingParams, spec: SpecConfig):
         self.scheduler, self.metrics, self.config = scheduler, metrics, config
         self.params, self.spec = params, spec
+        self.warmups: dict[str, object] = {}  # session id -> its warm-up's job (n_predict 0), until a newer request
 
-    def settings(self, body, max_tokens: int | None) -> tuple[SamplingParams, SpecConfig]:
+    def token_limit(self, requested: int) -> int:
+        """The tokens a request may generate, as llama-server counts them: `requested` is its n_predict (else
+        max_tokens; -1 when it sets neither), capped by the server's --n-predict; with neither, the rest of the
+        context (generation also ends where the context does). Not for 0, which only warms the cache."""
+        cap = self.config.n_predict if self.config.n_predict > 0 else self.scheduler.engine.context_length
+        return min(requested, cap) if requested > 0 else cap
+
+    def settings(self, body) -> tuple[SamplingParams, SpecConfig]:
         """The server's defaults with the request's overrides, validated (CodespecError: a 400)."""
         updates = {name: getattr(body, name) for name in ("temperature", "top_k", "top_p")
                    if getattr(body, name, None) is not None}
@@ -128,8 +137,8 @@ class Generations:
             updates["seed"] = None if body.seed == -1 else body.seed
         if body.stop is not None:
             updates["stop"] = tuple(body.stop)
-        if max_tokens is not None:
-            updates["max_tokens"] = max_tokens
+        if body.requested_tokens() != 0:
+            updates["max_tokens"] = self.token_limit(body.requested_tokens())
         spec_updates = {name: getattr(body, name) for name in ("draft_max", "draft_min")
                         if getattr(body, name) is not None}
         if body.spec is not None:
@@ -162,10 +171,19 @@ class Generations:
                                 f"{engine.context_length}")
         if not prompt.ids and not plan.warm_only:
             raise CodespecError("the prompt is empty")
+        self.warmups = {name: job for name, job in self.warmups.items() if not job.done}
         session_id, temporary = self._pick(engine, plan, prompt.ids)
+        superseded = self.warmups.pop(session_id, None)
+        if superseded is not None:
+            # A newer request on this session: its warm-up ends at its next chunk, and what it computed stays in
+            # the cache. The newer prompt reuses that (llama.vim's instruction shares its warm-up's start) instead
+            # of waiting for the rest of a prefill that it would throw away or do itself anyway.
+            superseded.cancel()
         run = Run(plan, prompt, session_id, temporary, arrived)
         run.filter = OutputFilter(prompt.limits, plan.t_max_predict_ms)
         run.job = self.scheduler.submit_steps(lambda engine: self._steps(engine, run), session_id=session_id)
+        if plan.warm_only and not temporary:
+            self.warmups[session_id] = run.job
         return run
 
     def _pick(self, engine, plan: Plan, ids: list[int]) -> tuple[str, bool]:
@@ -173,7 +191,9 @@ class Generations:
             return f"tmp-{uuid.uuid4().hex}", True
         if plan.session is not None:
             return plan.session, False
-        busy = self.scheduler.busy_sessions()
+        # a slot that only runs a warm-up is free: the warm-up gives way (_start), and its cache may be this prompt's
+        warming = {name for name, job in self.warmups.items() if job.started_at is not None}
+        busy = self.scheduler.busy_sessions() - warming
         slots = [f"{plan.tenant}slot-{i}" for i in range(self.config.slots)]
         idle = [name for name in slots if name not in busy]
         if not idle:

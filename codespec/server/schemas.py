@@ -75,12 +75,31 @@ class Sampling(Lenient):
         return value
 
 
+class Output(Lenient):
+    """How much to generate and what to answer, read as llama.cpp reads them on every route."""
+
+    n_predict: int | None = Field(None, ge=-1, le=1 << 20,
+                                  description="tokens to generate (llama.cpp's name; else max_tokens): 0 only warms "
+                                              "the session's cache; -1 or absent: until the end of the text or of "
+                                              "the context, at most the server's --n-predict")
+    max_tokens: int | None = Field(None, ge=-1, le=1 << 20, description="OpenAI's name for n_predict")
+    t_max_predict_ms: int = Field(0, ge=0, le=1 << 31,
+                                  description="stop after this long since the first token, once a line is done")
+    response_fields: list[Text] | None = Field(None, max_length=256,
+                                               description="return only these fields ('a/b' flattens nested ones); "
+                                                           "absent or [] returns all (not for streams)")
+
+    def requested_tokens(self) -> int:
+        """n_predict, else max_tokens, else -1 (no limit asked for); 0 asks to warm the cache only."""
+        return next((value for value in (self.n_predict, self.max_tokens) if value is not None), -1)
+
+
 class ExtraChunk(Lenient):
     filename: Text = Field("", max_length=1024)
     text: Text = ""
 
 
-class InfillRequest(Sampling, Speculation):
+class InfillRequest(Sampling, Speculation, Output):
     """llama.cpp's /infill (what llama.vim sends), plus codespec's speculation overrides."""
 
     input_prefix: Text = ""
@@ -88,35 +107,89 @@ class InfillRequest(Sampling, Speculation):
     input_extra: list[ExtraChunk] = Field(default_factory=list, max_length=1024)
     prompt: Text = Field("", description="the text typed before the cursor on its line (after the prefix)")
     filename: Text | None = Field(None, max_length=1024, description="the current file's name, for repo-level FIM")
-    n_predict: int = Field(-1, ge=-1, le=1 << 20, description="-1: the server's default; 0: only warm the cache")
     stream: bool = False
     n_indent: int = Field(0, ge=0, le=1 << 16, description="stop at a line indented less than this")
-    t_max_predict_ms: int = Field(0, ge=0, le=1 << 31,
-                                  description="stop after this long since the first token, once a line is done")
-    response_fields: list[Text] | None = Field(None, max_length=256,
-                                               description="return only these fields ('a/b' flattens nested ones); "
-                                                           "absent or [] returns all")
 
 
-class CompletionRequest(Sampling, Speculation):
+TokenIds = list[Annotated[int, Field(ge=0, lt=1 << 31)]]
+
+
+def one_prompt(value):
+    """One prompt: text or token ids; a one-element list of them is that one."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) != 1:
+            raise ValueError("send one prompt per request")
+        value = value[0]
+    if isinstance(value, list) and not value:
+        raise ValueError("the prompt is empty")
+    return value
+
+
+class LlamaCompletionRequest(Sampling, Speculation, Output):
+    """llama.cpp's /completion: a prompt (text or token ids) continued, answered as /infill answers."""
+
+    prompt: Text | TokenIds | list[Text] | list[TokenIds] = Field(..., description="text or token ids")
+    stream: bool = False
+    n_indent: int = Field(0, ge=0, le=1 << 16, description="stop at a line indented less than this")
+
+    check_prompt = field_validator("prompt")(one_prompt)
+
+
+class StreamOptions(Lenient):
+    include_usage: bool | None = Field(None, description="a last chunk with `choices: []` and the usage")
+
+
+class OpenAIOptions(Lenient):
+    """The OpenAI parameters codespec takes, and those it cannot honour: sent with a value that would change the
+    answer (logprobs, penalties, logit_bias, tools, a JSON response_format, several choices), they get a 400 that
+    names them, never a silently different answer. Others that only concern OpenAI's service (`user`, `store`,
+    `metadata`, `service_tier`, `prediction`, ...) are ignored."""
+
+    model: Text | None = Field(None, description="the served model's id (GET /v1/models) or an alias; absent or "
+                                                 "empty: the served model")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 (not supported)")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 (not supported)")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="only {} (not supported)")
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, why) for the first parameter whose value codespec cannot honour, else None."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name, f"{name} is not supported (only 0)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(Sampling, Speculation, Output, OpenAIOptions):
     """OpenAI /v1/completions."""
 
-    model: Text | None = None
-    prompt: Text | list[Text] = Field(..., description="one prompt (a one-element list is accepted)")
+    prompt: Text | TokenIds | list[Text] | list[TokenIds] = Field(
+        ..., description="one prompt, text or token ids (a one-element list of them is accepted)")
     suffix: Text | None = Field(None, description="text after the insertion point: fill-in-the-middle")
-    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    best_of: int | None = Field(None, ge=1, le=1, description="one choice per request")
+    echo: bool | None = Field(None, description="only false (not supported)")
+    logprobs: int | None = Field(None, ge=0, le=5, description="not supported")
+    n: int | None = Field(1, ge=1, le=1, description="one choice per request")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
 
-    @field_validator("prompt")
-    @classmethod
-    def one_prompt(cls, value):
-        if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError("send one prompt per request")
-            value = value[0]
-        return value
+    check_prompt = field_validator("prompt")(one_prompt)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix is not None and not isinstance(self.prompt, str):
+            return "suffix", "a suffix needs a text prompt"
+        return super().unsupported()
 
 
 class TextPart(Lenient):
@@ -132,16 +205,40 @@ class ChatMessage(Lenient):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class ChatRequest(Sampling, Speculation):
-    """OpenAI /v1/chat/completions."""
+class ChatRequest(Sampling, Speculation, Output, OpenAIOptions):
+    """OpenAI /v1/chat/completions (and llama.vim's instructions: `n_predict`, `id_slot`, `response_fields`)."""
 
-    model: Text | None = None
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
-    max_tokens: int | None = Field(None, ge=1, le=1 << 20,
-                                   validation_alias=AliasChoices("max_tokens", "max_completion_tokens"))
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    max_tokens: int | None = Field(None, ge=-1, le=1 << 20,
+                                   validation_alias=AliasChoices("max_tokens", "max_completion_tokens"),
+                                   description="OpenAI's name for n_predict (also max_completion_tokens)")
+    logprobs: bool | None = Field(None, description="only false (not supported)")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="only 0 (not supported)")
+    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
+    tools: list[dict[str, Any]] | None = Field(None, description="only none (not supported)")
+    functions: list[dict[str, Any]] | None = Field(None, description="only none (not supported)")
+    tool_choice: Text | dict[str, Any] | None = Field(None, description='only "none" or "auto"')
+    function_call: Text | dict[str, Any] | None = Field(None, description='only "none" or "auto"')
+    audio: dict[str, Any] | None = Field(None, description="not supported")
+    modalities: list[Text] | None = Field(None, description='only ["text"]')
+    n: int | None = Field(1, ge=1, le=1, description="one choice per request")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs or self.top_logprobs:
+            return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", f"response_format {self.response_format.get('type')!r} is not supported " \
+                                      "(only 'text')"
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name, f"{name} are not supported"
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                return name, f"{name} {getattr(self, name)!r} is not supported (no tools)"
+        if self.audio is not None or any(kind != "text" for kind in self.modalities or ()):
+            return "modalities", "only text output is supported"
+        return super().unsupported()
 
 
 # -- responses --------------------------------------------------------------------------------------------------
@@ -272,9 +369,10 @@ class Health(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    code: int
+    code: int | str = Field(description="the HTTP status; OpenAI's code for an unknown model (model_not_found)")
     message: str
     type: str
+    param: str | None = Field(None, description="the request parameter at fault, where there is one")
     detail: list[dict[str, Any]] | None = Field(None, description="422: each problem's loc, msg and type")
 
 

@@ -247,7 +247,11 @@ ERROR_CASES = [
     ("/infill", {"input_prefix": "", "input_suffix": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "context"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -2}, 422, "max_tokens"),  # 0 warms, -1 is no limit
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n_predict": -2}, 422, "n_predict"),
+    ("/completion", {"prompt": [1, 2], "n_predict": -5}, 422, "n_predict"),
+    ("/completion", {"prompt": [10 ** 9]}, 400, "vocabulary"),
+    ("/completion", {"prompt": []}, 422, "empty"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 422, "n"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 422, "one prompt"),
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 20}, 422, "stop"),

@@ -35,7 +35,8 @@ def test_schemathesis_finds_nothing_on_any_route(url):
     assert report["server_errors"] == [] and report["hangs"] == [] and report["errors"] == []
     assert report["failures"] == []
     assert {route.split()[1] for route in report["requests"]} == {
-        "/infill", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics", "/slots"}
+        "/infill", "/completion", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models",
+        "/v1/models/{model}", "/metrics", "/slots"}
     assert sum(report["requests"].values()) >= 50 and report["statuses"][200] > 0 and report["statuses"][422] > 0
 
 
