@@ -204,7 +204,8 @@ class Wire:
     def messages(self):
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.endswith("}")]
+        # every line but the last has its newline: the proxy may be writing the last one
+        return [json.loads(line) for line in self.path.read_text().split("\n")[:-1]]
 
     def requests(self, method):
         """(request params, its response) for each request of `method` answered so far."""
@@ -383,10 +384,12 @@ def check_session(page, wire, source_file, timings, tmp_path):
         shutil.copy(screenshot, keep)
     print(f"ghost text shown: {shown!r}; screenshot: {screenshot}")
 
-    answers = [(params, answer) for params, answer in wire.requests("textDocument/inlineCompletion")
-               if params["position"] == position and ((answer.get("result") or {}).get("items"))]
-    assert answers, f"no inline completion with items at {position}: {wire.requests('textDocument/inlineCompletion')}"
-    item = answers[-1][1]["result"]["items"][0]
+    # the answer to the request at the end of what was typed (VS Code asks after every keystroke and may show an
+    # earlier answer that still fits until it comes)
+    answers = wait_for(f"an inline completion with items at {position}", lambda: [
+        answer for params, answer in wire.requests("textDocument/inlineCompletion")
+        if params["position"] == position and (answer.get("result") or {}).get("items")] or None)
+    item = answers[-1]["result"]["items"][0]
     insert_text = item["insertText"] if isinstance(item["insertText"], str) else item["insertText"]["value"]
     assert insert_text.strip(), item
     assert shown.split() and " ".join(shown.split()) in " ".join(insert_text.split()), (shown, insert_text)
