@@ -122,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-memory", type=bounded_int(0, 1 << 20), default=server.session_memory >> 20,
                        metavar="MB", help=f"KV-cache MB named sessions may hold before the least recently used are "
                                           f"evicted (default {server.session_memory >> 20})")
+    serve.add_argument("--replicas", type=bounded_int(0, 1024), default=0, metavar="N",
+                       help="run N engines on Ray Serve behind this one address, routed by session "
+                            "(pip install 'codespec[replicas]'; default 0: one engine in this process)")
+    serve.add_argument("--replica-cpus", type=float, default=1.0, metavar="CPUS",
+                       help="CPUs (and torch threads) each replica reserves (default 1)")
+    serve.add_argument("--replica-gpus", type=float, default=0.0, metavar="GPUS",
+                       help="GPUs each replica reserves (default 0)")
+    serve.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"), metavar="ADDRESS",
+                       help="the Ray cluster for --replicas ('auto', ray://HOST:10001; default $RAY_ADDRESS, else "
+                            "a local Ray started and stopped with this command)")
     serve.add_argument("-n", "--n-predict", type=int, default=None, metavar="N",
                        help="most tokens a request generates: those that set no n_predict/max_tokens get N, those "
                             "asking for more are cut to N (llama-server's -n; default: a [sampling] max_tokens in "
@@ -356,6 +366,12 @@ def run_lsp(args) -> int:
 
 
 def run_serve(args) -> int:
+    if args.replicas:
+        try:
+            from .replicas.deploy import run_replicas
+        except ImportError as exc:
+            raise CodespecError(f"--replicas needs Ray Serve: pip install 'codespec[replicas]' ({exc})") from None
+        return run_replicas(args)
     import uvicorn
 
     from .engine import Engine
