@@ -395,6 +395,7 @@ def check_session(page, wire, source_file, timings, tmp_path):
     assert shown.split() and " ".join(shown.split()) in " ".join(insert_text.split()), (shown, insert_text)
 
     # accept with Tab: the saved file is exactly the text the server's item makes
+    ghost.wait_for(state="visible", timeout=30_000)
     page.keyboard.press("Tab")
     edit = {"range": item.get("range") or {"start": position, "end": position}, "newText": insert_text}
     expected = apply_text_edits(typed, [edit])
