@@ -41,7 +41,9 @@ class ReplicaSettings:
     params: SamplingParams
     server: ServerConfig
     model_name: str = "codespec"
+    model_aliases: tuple = ()
     threads: int = 1  # torch threads per replica (= its CPUs)
+    cache_reuse: int = 0  # --cache-reuse, where this codespec has it
 
 
 @serve.deployment(name=ENGINE)
@@ -59,7 +61,10 @@ class EngineReplica:
         return_freed_memory()
         torch.set_num_threads(max(1, settings.threads))
         engine = Engine.load(settings.model, settings.spec, show_progress=False)
-        self.app = create_app(engine, settings.server, settings.params, settings.spec, model_name=settings.model_name)
+        if settings.cache_reuse:
+            engine.cache_reuse = settings.cache_reuse
+        self.app = create_app(engine, settings.server, settings.params, settings.spec, model_name=settings.model_name,
+                              model_aliases=settings.model_aliases)
         self.id = serve.get_replica_context().replica_id.unique_id
 
     async def http(self, scope: dict, body: bytes, route: Hint | None = None):
@@ -284,7 +289,7 @@ class Gateway:
 
 def build_app(args, replicas: int):
     """The Serve application for parsed `codespec serve` arguments (codespec/cli.py)."""
-    from ..cli import settings_from_args
+    from ..cli import serve_n_predict, settings_from_args
     from ..errors import CodespecError
     from ..models import DEFAULT_ALIASES, DEFAULT_NAME
 
@@ -292,15 +297,17 @@ def build_app(args, replicas: int):
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, max_queue=args.max_queue,
                           parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20,
                           allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                          read_timeout=args.read_timeout)
+                          read_timeout=args.read_timeout, n_predict=serve_n_predict(args))
     try:
         server.validate()
         model.validate()
     except ValueError as exc:
         raise CodespecError(str(exc)) from None
     name = DEFAULT_NAME if model.model in DEFAULT_ALIASES else model.model
+    aliases = DEFAULT_ALIASES if model.model in DEFAULT_ALIASES else ()
     cpus = args.replica_cpus
-    settings = ReplicaSettings(model, spec, params, server, name, threads=max(1, round(cpus)))
+    settings = ReplicaSettings(model, spec, params, server, name, tuple(aliases), threads=max(1, round(cpus)),
+                               cache_reuse=getattr(args, "cache_reuse", 0) or 0)
     engine = EngineReplica.options(
         num_replicas=replicas,
         ray_actor_options={"num_cpus": cpus, "num_gpus": args.replica_gpus},
