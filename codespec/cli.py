@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-memory", type=bounded_int(0, 1 << 20), default=server.session_memory >> 20,
                        metavar="MB", help=f"KV-cache MB named sessions may hold before the least recently used are "
                                           f"evicted (default {server.session_memory >> 20})")
+    serve.add_argument("--cache-reuse", type=bounded_int(0, 1 << 20), default=0, metavar="N",
+                       help="reuse cached chunks of at least N tokens that a new prompt holds at other positions "
+                            "(llama-server's --cache-reuse; llama.vim's sliding window): much less prefill, output "
+                            "close to but not always identical to a cold prefill (default 0: off)")
     serve.add_argument("--replicas", type=bounded_int(0, 1024), default=0, metavar="N",
                        help="run N engines on Ray Serve behind this one address, routed by session "
                             "(pip install 'codespec[replicas]'; default 0: one engine in this process)")
@@ -391,6 +395,7 @@ def run_serve(args) -> int:
     except ValueError as exc:
         raise CodespecError(str(exc)) from None
     engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
+    engine.cache_reuse = args.cache_reuse
     name = DEFAULT_NAME if model_config.model in DEFAULT_ALIASES else model_config.model
     aliases = DEFAULT_ALIASES if model_config.model in DEFAULT_ALIASES else ()  # smollm2, default
     app = create_app(engine, config, params, spec, model_name=name, model_aliases=aliases)
