@@ -1,0 +1,121 @@
+"""The official `openai` Python client (pinned in the test extras) against a real `codespec serve` on the default
+model: completions and chat, streamed and not, with the client's optional parameters. Each either works or is a
+4xx that the client raises as its typed error; never a 5xx."""
+
+import openai
+import pytest
+
+from tests.serving import free_port, start_codespec_serve
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "# Python: reverse a string\ndef reverse(text):\n"
+MESSAGES = [{"role": "system", "content": "You write short Python functions."},
+            {"role": "user", "content": "Write a function that reverses a string."}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    process, client = start_codespec_serve(free_port())
+    yield str(client.base_url)
+    client.close()
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id == "SmolLM2-135M-Instruct"
+    assert client.models.retrieve(models[0].id).id == models[0].id
+    return models[0].id
+
+
+def test_completions_streamed_and_not(client, model):
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert whole.choices[0].text.strip() and whole.usage.completion_tokens == 24
+    assert whole.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_chat_streamed_and_not(client, model):
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=32, temperature=0)
+    message = whole.choices[0].message
+    assert message.role == "assistant" and message.content.strip() and whole.usage.completion_tokens <= 32
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=32, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    with client.chat.completions.stream(model=model, messages=MESSAGES, max_tokens=8, temperature=0) as helper:
+        pieces = [event.delta for event in helper if event.type == "content.delta"]  # the client's stream helper
+    assert "".join(pieces) and message.content.startswith("".join(pieces))
+
+
+def test_the_clients_optional_parameters_are_accepted(client, model):
+    """Their neutral values, and the fields that only concern OpenAI's service."""
+    common = dict(model=model, max_tokens=8, temperature=0.7, top_p=0.9, seed=1234, stop=["\n\n", "###"],
+                  user="tester", n=1, presence_penalty=0, frequency_penalty=0, logit_bias={})
+    chat = client.chat.completions.create(
+        messages=MESSAGES, response_format={"type": "text"}, logprobs=False, store=False, metadata={"run": "test"},
+        service_tier="auto", parallel_tool_calls=True, tool_choice="none", modalities=["text"],
+        prediction={"type": "content", "content": "def reverse(text):"}, reasoning_effort="low",
+        prompt_cache_key="tests", safety_identifier="tester", verbosity="low", **common)
+    again = client.chat.completions.create(messages=MESSAGES, **common)
+    assert chat.choices[0].message.content == again.choices[0].message.content  # seeded
+    completion = client.completions.create(prompt=PROMPT, best_of=1, echo=False, suffix=None, **common)
+    assert completion.choices[0].text == client.completions.create(prompt=PROMPT, **common).choices[0].text
+    tokens = client.completions.create(model=model, prompt=[504, 28, 6829], max_tokens=4)  # token ids
+    assert tokens.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("route, options, error, param", [
+    ("chat", {"model": "gpt-4o"}, openai.NotFoundError, "model"),
+    ("completions", {"model": "gpt-3.5-turbo-instruct"}, openai.NotFoundError, "model"),
+    ("chat", {"n": 2}, openai.UnprocessableEntityError, None),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, openai.BadRequestError, "logprobs"),
+    ("chat", {"presence_penalty": 0.5}, openai.BadRequestError, "presence_penalty"),
+    ("chat", {"frequency_penalty": 1.0}, openai.BadRequestError, "frequency_penalty"),
+    ("chat", {"logit_bias": {"504": 10}}, openai.BadRequestError, "logit_bias"),
+    ("chat", {"response_format": {"type": "json_object"}}, openai.BadRequestError, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     openai.BadRequestError, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "now", "parameters": {}}}]},
+     openai.BadRequestError, "tools"),
+    ("chat", {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+     openai.BadRequestError, "modalities"),
+    ("chat", {"temperature": 3}, openai.UnprocessableEntityError, None),
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     openai.UnprocessableEntityError, None),
+    ("chat", {"messages": [{"role": "tool", "content": "42", "tool_call_id": "call_1"}]},
+     openai.UnprocessableEntityError, None),
+    ("completions", {"logprobs": 2}, openai.BadRequestError, "logprobs"),
+    ("completions", {"echo": True}, openai.BadRequestError, "echo"),
+    ("completions", {"best_of": 3}, openai.UnprocessableEntityError, None),
+    ("completions", {"prompt": ["one", "two"]}, openai.UnprocessableEntityError, None),
+    ("completions", {"prompt": "word " * 9000}, openai.BadRequestError, None),  # over the context
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_it_cannot_do_is_a_typed_4xx(client, model, route, options, error, param, stream):
+    if route == "chat":
+        call, request = client.chat.completions.create, {"model": model, "messages": MESSAGES, "max_tokens": 4}
+    else:
+        call, request = client.completions.create, {"model": model, "prompt": PROMPT, "max_tokens": 4}
+    with pytest.raises(error) as raised:
+        call(**(request | options | ({"stream": True} if stream else {})))
+    assert 400 <= raised.value.status_code < 500
+    assert raised.value.body["message"]  # the client found the error's message in OpenAI's shape
+    if param is not None:
+        assert raised.value.body["param"] == param
+    if error is openai.NotFoundError:
+        assert raised.value.code == "model_not_found" and raised.value.type == "invalid_request_error"
