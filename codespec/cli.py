@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(stdio unless --tcp)")
     add_model_options(lsp)
     lsp.add_argument("--tcp", metavar="HOST:PORT", help="listen on a TCP port for one client instead of stdio")
+    lsp.add_argument("--server", metavar="URL",
+                     help="generate on this codespec HTTP server (`codespec serve`) instead of loading a model: "
+                          "documents, context and commands stay here, completions go to its /infill")
+    lsp.add_argument("--api-key", default=os.environ.get("CODESPEC_API_KEY"),
+                     help="the --server's API key (default: $CODESPEC_API_KEY; the editor's api_key setting "
+                          "replaces it)")
 
     serve = commands.add_parser("serve", help="HTTP server: llama.cpp-compatible /infill, OpenAI completions "
                                               "and chat, /metrics, /slots")
@@ -365,7 +371,16 @@ def run_lsp(args) -> int:
         model_config.validate()
     except ValueError as exc:
         raise CodespecError(str(exc)) from None
-    serve(model_config, model_fixed=args.model is not None, tcp=tcp)
+    server_url = None
+    if args.server is not None:
+        server_url = args.server if "://" in args.server else f"http://{args.server}"
+        if not server_url.startswith(("http://", "https://")):
+            raise CodespecError(f"--server wants an http:// or https:// URL, got {args.server!r}")
+        if given:
+            raise CodespecError("--server generates on that server's model: leave out --model, --device, --dtype "
+                                "and --forward")
+    serve(model_config, model_fixed=args.model is not None, tcp=tcp, server_url=server_url,
+          api_key=args.api_key or None)
     return 0
 
 
