@@ -47,38 +47,53 @@ class Session:
 
     def prepare(self, prompt: list[int]) -> int:
         """Make the history equal to `prompt`, reusing the common prefix (and, with reuse_min, cached chunks further
-        on: reuse_chunks); return the prompt tokens whose keys and values the cache holds."""
+        on: reuse_chunks); return the prompt tokens whose keys and values came from the cache."""
         common = common_prefix(self.history, prompt)
         moves = self.reuse_chunks(prompt, common) if self.reuse_min > 0 and common < self.cached else []
         if common < self.length:
             self.truncate(common)  # the history was rewritten: tell the drafters
+        computed = 0
         for source, target, count in moves:
-            self.path.move(self.cache, source, target, count)
+            self.path.move(self.cache, source, target, count)  # into place first: a gap's forward stops before it
+            if target > self.cache.length:  # a few prompt tokens the cache never held (a re-split line start)
+                computed += target - self.cache.length
+                self.path(self.cache, prompt[self.cache.length : target], 1)
             self.cache.length = target + count
         self.append(prompt[common:])
         # at least the last prompt token must be fed, to get the logits for the first new token
         self.crop_cache(min(self.cached, len(prompt) - 1))
-        return self.cached
+        return self.cached - computed
+
+    MAX_GAP = 8  # prompt tokens a reused chunk may start after: a line that now starts the window is split anew
 
     def reuse_chunks(self, prompt: list[int], common: int) -> list[tuple[int, int, int]]:
-        """llama-server's --cache-reuse: runs of at least reuse_min cached tokens that the new prompt holds at an
-        earlier position (lines scrolled out of a sliding window, a deleted block above the cursor) are moved into
-        place instead of computed again. Returns (source, target, count) moves, each target right after the
-        last. An approximation, as in llama-server: a moved token's keys and values in the deeper layers still
-        reflect the text that preceded it in the old prompt, so the output can differ from a cold prefill."""
+        """llama-server's --cache-reuse: runs of at least reuse_min cached tokens that the new prompt holds at the
+        same or an earlier position (lines scrolled out of a sliding window, a deleted block above the cursor) are
+        moved into place instead of computed again. A run may start up to MAX_GAP prompt tokens after the last
+        one ends (the line that now opens the window tokenises differently without the newline before it); those
+        few are computed. Returns (source, target, count) moves in order, each moving left or staying.
+        An approximation, as in llama-server: a moved token's keys and values in the deeper layers still reflect
+        the text that preceded it in the old prompt, so the output can differ from a cold prefill."""
         if not hasattr(self.path, "move"):
             return []  # transformers' caches: each architecture rotates differently; prefix reuse only
         cached = self._tokens[: self.cached]
         end = len(prompt) - 1  # the last prompt token is always fed
-        moves, source, target = [], common, common
-        while source < len(cached) and target < end:
+
+        def run(source: int, target: int) -> int:
             count = 0
             while (source + count < len(cached) and target + count < end
                    and cached[source + count] == prompt[target + count]):
                 count += 1
-            if count >= self.reuse_min:
-                moves.append((source, target, count))
-                source, target = source + count, target + count
+            return count
+
+        moves, source, target = [], common, common
+        while source < len(cached) and target < end:
+            for gap in range(min(self.MAX_GAP, source - target, end - 1 - target) + 1):
+                count = run(source, target + gap)
+                if count >= self.reuse_min:
+                    moves.append((source, target + gap, count))
+                    source, target = source + count, target + gap + count
+                    break
             else:
                 source += 1
         return moves

@@ -240,14 +240,15 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
 
         def build(engine) -> Prompt:
             budget = max(engine.context_length - room - 1, engine.context_length // 2)
+            # healed: a cursor on an empty line or inside a name starts the suggestion where a person expects
             fim = fim_prompt(engine.tokenizer, body.input_prefix + body.prompt, body.input_suffix, extra,
-                             body.filename, max_tokens=budget)
+                             body.filename, max_tokens=budget, vocabulary=engine.vocabulary)
             limits = []
             if fim.format is None and body.input_suffix.strip():
                 limits.append(SuffixTrimmer(body.input_suffix))  # no FIM tokens: stop where it meets the suffix
             if body.n_indent:
                 limits.append(IndentLimit(body.n_indent))
-            return Prompt(fim.ids, fim.truncated, fim.stop_ids, limits)
+            return Prompt(fim.ids, fim.truncated, fim.stop_ids, limits, fim.healed)
 
         namespace = tenant(request)
         run = await generations.start(Plan("/infill", build, params, spec, generations.session_name(body, namespace),

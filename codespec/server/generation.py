@@ -38,6 +38,7 @@ class Prompt:
     truncated: bool = False  # context was cut to fit (infill)
     stop_ids: frozenset[int] = frozenset()
     limits: list = field(default_factory=list)  # postprocess limits (cut/safe), e.g. the FIM fallback's suffix
+    healed: str | None = None  # token healing: a token string the output spells first (not sent: the prompt had it)
 
 
 @dataclass
@@ -228,7 +229,7 @@ class Generations:
             if plan.warm_only:
                 return
             steps = engine.stream_steps(run.prompt.ids, plan.params, session_id=run.session_id, spec=plan.spec,
-                                        stop_ids=run.prompt.stop_ids)
+                                        stop_ids=run.prompt.stop_ids, healed=run.prompt.healed)
             while (chunk := (yield from next_output(steps))) is not None:
                 if chunk.result is not None and chunk.result.finish_reason == "stop":
                     said = engine.tokenizer.decode(chunk.result.tokens, skip_special_tokens=True)

@@ -59,8 +59,10 @@ def test_completion_gives_the_same_text_as_the_cli(server):
 def test_infill_is_the_engines_prefix_completion_cut_at_the_suffix(server, default_engine):
     request = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": [
         {"filename": name, "text": text} for name, text in EXTRA], "filename": "stats/mean.py", "n_predict": 48}
-    ids = fim_prompt(default_engine.tokenizer, PREFIX, SUFFIX, EXTRA, "stats/mean.py").ids
-    plain = default_engine.generate(ids, SamplingParams(max_tokens=48)).text
+    fim = fim_prompt(default_engine.tokenizer, PREFIX, SUFFIX, EXTRA, "stats/mean.py",
+                     vocabulary=default_engine.vocabulary)  # /infill heals the cursor (PREFIX ends with a newline)
+    assert fim.healed == "Ċ"
+    plain = default_engine.generate(fim.ids, SamplingParams(max_tokens=48), healed=fim.healed).text
     body = server.post("/infill", json=request).json()
     assert body["content"] == trim_to_suffix(plain, SUFFIX)
     assert body["speculation"]["spec"] == ["ngram-mod", "prompt-lookup"]

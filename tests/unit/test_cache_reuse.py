@@ -99,3 +99,18 @@ def test_reuse_is_off_by_default_and_a_deleted_block_above_the_cursor_is_skipped
     short = engine_with_layers(tokenizer, layers=1, reuse=200)  # chunks shorter than the minimum stay cold
     last_logits(short, "s", before)
     assert last_logits(short, "s", edited)[1] == len(flat(text[:5]))
+
+
+def test_a_chunk_may_start_a_few_tokens_later_and_those_are_computed(tokenizer):
+    """A line that now opens the window tokenises differently without the newline before it: the run of cached
+    tokens starts a few prompt tokens in. Those few are computed (one small forward), the rest is moved, and with
+    one layer the result is still the recomputation."""
+    rng = np.random.default_rng(4)
+    text = lines(rng, 30)
+    before, after = flat(text[:25]), [5, 6] + flat(text[3:27])
+    engine = engine_with_layers(tokenizer, layers=1, reuse=16)
+    last_logits(engine, "editor", before)
+    reused_logits, reused = last_logits(engine, "editor", after)
+    cold_logits, _ = last_logits(engine, "cold", after)
+    assert reused == len(flat(text[3:25]))  # the two new tokens are not counted as reused
+    assert (reused_logits - cold_logits).abs().max().item() < 1e-5
