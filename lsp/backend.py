@@ -83,7 +83,7 @@ class LocalBackend:
         if limit < 1:
             return
         params = SamplingParams(max_tokens=limit, stop=request.stop)
-        async for piece in run_job(scheduler, prompt.ids, params, request.session, request.spec):
+        async for piece in run_job(scheduler, prompt.ids, params, request.session, request.spec, healed=prompt.healed):
             yield piece
 
     async def rewrite(self, request: RewriteRequest) -> AsyncIterator[Piece]:
@@ -103,10 +103,10 @@ class LocalBackend:
         pass
 
 
-async def run_job(scheduler, ids, params, session, spec, reference=None) -> AsyncIterator[Piece]:
+async def run_job(scheduler, ids, params, session, spec, reference=None, healed=None) -> AsyncIterator[Piece]:
     """Submit a job and stream it; the job is cancelled however the iteration ends (a no-op once finished)."""
     try:
-        job = scheduler.submit(ids, params, session_id=session, spec=spec, reference=reference)
+        job = scheduler.submit(ids, params, session_id=session, spec=spec, reference=reference, healed=healed)
     except CodespecError as exc:  # e.g. the queue is full
         raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
     try:

@@ -211,7 +211,7 @@ class Completer:
         extra = self.extra_chunks(request, count)
         budget = engine.context_length - settings.max_tokens - 1
         return fim_prompt(tokenizer, request.prefix, request.suffix, extra, filename=filename_of(request.uri),
-                          max_tokens=budget)
+                          max_tokens=budget, vocabulary=engine.vocabulary)  # healed at the cursor, as /infill is
 
     def extra_chunks(self, request: InfillRequest, count) -> list[tuple[str, str]]:
         """(filename, text) of the other files' chunks, picked with `count` (text -> tokens) unless the ones
