@@ -173,10 +173,12 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         if problem:
             raise Unsupported(*problem)
 
-    def answer(body: dict, fields: list[str] | None):
-        """A whole (not streamed) answer, or llama.cpp's response_fields selection of it (not validated against the
-        route's model: that would take a selection for a broken body)."""
-        return JSONResponse(select_fields(body, fields)) if fields else body
+    def answer(body: dict, fields: list[str] | None, model=None):
+        """A whole (not streamed) answer, checked against `model` where the route's response model is a union; or
+        llama.cpp's response_fields selection of it (not checked: the union would take a broken body for one)."""
+        if fields:
+            return JSONResponse(select_fields(body, fields))
+        return model.model_validate(body) if model is not None else body
 
     async def finish(request: Request, run: Run) -> Response | None:
         """Collect a run while watching the client; None when it completed, a 499 when the client left."""
@@ -256,9 +258,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         if body.stream and not warm_only:
             return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
                                               lambda: [{**infill_body(run), "content": ""}], done=False))
-        if body.response_fields:
-            return await finish(request, run) or answer(infill_body(run), body.response_fields)
-        return await finish(request, run) or InfillResponse.model_validate(infill_body(run))
+        return await finish(request, run) or answer(infill_body(run), body.response_fields, InfillResponse)
 
     @app.post("/completion", response_model=InfillResponse | SelectedFields,
               responses={**streamed('{"content": piece, "stop": false} events, then the InfillResponse with '
@@ -281,9 +281,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         if body.stream and not warm_only:
             return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
                                               lambda: [{**infill_body(run), "content": ""}], done=False))
-        if body.response_fields:
-            return await finish(request, run) or answer(infill_body(run), body.response_fields)
-        return await finish(request, run) or InfillResponse.model_validate(infill_body(run))
+        return await finish(request, run) or answer(infill_body(run), body.response_fields, InfillResponse)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**streamed("OpenAI completion chunks (a failure: {\"error\": ...}), then [DONE]"),
@@ -322,7 +320,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                           "choices": [], "usage": usage(run)}
             return [complete(""), *([usage_only] if body.include_usage else [])]
 
-        if body.stream and not warm_only:
+        if body.stream:  # a warm-up too: an OpenAI client reads a stream (its last chunk, then [DONE])
             return event_stream(stream_events(run, chunk, last, done=True))
         return await finish(request, run) or answer(complete(run.text), body.response_fields)
 
@@ -364,7 +362,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
             return [chunk("", run.finish_reason, usage=usage(run), timings=run.timings(),
                           speculation=run.speculation()), *([usage_only] if body.include_usage else [])]
 
-        if body.stream and not warm_only:
+        if body.stream:  # a warm-up too: an OpenAI client reads a stream (its last chunk, then [DONE])
             return event_stream(stream_events(run, chunk, last, done=True))
         return await finish(request, run) or answer({
             "id": ident, "object": "chat.completion", "created": created, "model": model_name,

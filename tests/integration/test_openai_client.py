@@ -61,6 +61,16 @@ def test_chat_streamed_and_not(client, model):
     assert "".join(pieces) and message.content.startswith("".join(pieces))
 
 
+def test_a_zero_limit_only_warms_the_cache_streamed_or_not(client, model):
+    """llama.cpp's n_predict 0 (max_tokens 0): the prompt goes into the cache, nothing is generated."""
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=0)
+    assert whole.choices[0].message.content == "" and whole.usage.completion_tokens == 0
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens - 1  # warmed before
+    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=0).usage.completion_tokens == 0
+
+
 def test_the_clients_optional_parameters_are_accepted(client, model):
     """Their neutral values, and the fields that only concern OpenAI's service."""
     common = dict(model=model, max_tokens=8, temperature=0.7, top_p=0.9, seed=1234, stop=["\n\n", "###"],
