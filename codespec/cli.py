@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(stdio unless --tcp)")
     add_model_options(lsp)
     lsp.add_argument("--tcp", metavar="HOST:PORT", help="listen on a TCP port for one client instead of stdio")
+    lsp.add_argument("--cache-reuse", type=bounded_int(0, 1 << 20), default=0, metavar="N",
+                     help="as `codespec serve --cache-reuse`: reuse cached chunks of at least N tokens at new positions "
+                          "(default 0: off)")
     lsp.add_argument("--server", metavar="URL",
                      help="generate on this codespec HTTP server (`codespec serve`) instead of loading a model: "
                           "documents, context and commands stay here, completions go to its /infill")
@@ -380,7 +383,7 @@ def run_lsp(args) -> int:
             raise CodespecError("--server generates on that server's model: leave out --model, --device, --dtype "
                                 "and --forward")
     serve(model_config, model_fixed=args.model is not None, tcp=tcp, server_url=server_url,
-          api_key=args.api_key or None)
+          api_key=args.api_key or None, cache_reuse=args.cache_reuse)
     return 0
 
 

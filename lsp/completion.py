@@ -24,6 +24,7 @@ from codespec.context import treesitter
 from codespec.context.fim import SuffixTrimmer, fim_prompt, trim_to_suffix
 
 from .backend import REQUEST_FAILED, InfillRequest, Unavailable  # noqa: F401 (REQUEST_FAILED: imported here too)
+from .ahead import AcceptAhead
 from .documents import Document, clean_text
 from .settings import spec_config
 
@@ -54,6 +55,7 @@ class Completer:
         self.window_scopes: dict[str, tuple] = {}  # uri -> the scopes around that line (headers cut off above)
         self.extra_cache: dict[str, tuple] = {}  # uri -> (key, chunks)
         self._numbers = itertools.count(1)
+        self.ahead = AcceptAhead(self)
 
     def forget(self, uri: str) -> None:
         """The document closed: cancel its completion and drop what was kept for the next keystroke."""
@@ -62,6 +64,7 @@ class Completer:
         self.window_lines.pop(uri, None)
         self.window_scopes.pop(uri, None)
         self.extra_cache.pop(uri, None)
+        self.ahead.drop(uri)
 
     def is_current(self, uri: str, number: int) -> bool:
         return self.latest.get(uri) == number
@@ -98,9 +101,16 @@ class Completer:
     async def _complete(self, uri: str, number: int, document: Document, offset: int, line: int, character: int,
                         invoked: bool) -> Completion | None:
         server, settings = self.server, self.server.settings
-        version = document.version
-        if len(document.text) > settings.max_file_chars:
+        version, text = document.version, document.text
+        if len(text) > settings.max_file_chars:
             return None
+        ahead = await self.ahead.take(document, offset)  # the user accepted the suggestion: its follow-up is ready
+        if ahead is not None:
+            suggestion, stats, context = ahead
+            server.send_stats("completion", stats, precomputed=True)
+            completion = Completion(suggestion, line, character, context, stats)
+            self.ahead.start(document, offset, completion)
+            return completion
         if settings.debounce_ms and not invoked:
             await asyncio.sleep(settings.debounce_ms / 1000)
         if not self.is_current(uri, number):
@@ -110,36 +120,46 @@ class Completer:
             return None
         if document.version != version:  # typed on during the debounce: the position is stale, a newer request is due
             return None
+        try:
+            suggested = await self.suggest(document, offset, lambda: self.is_current(uri, number))
+        except Unavailable as exc:  # a busy or unreachable server: the next keystroke asks again
+            server.report_unavailable(exc)
+            return None
+        server.report_unavailable(None)
+        if suggested is None or not self.is_current(uri, number):  # superseded while generating: stopped midway
+            return None
+        suggestion, stats, context = suggested
+        server.send_stats("completion", stats)
+        if not suggestion.strip():
+            return None
+        completion = Completion(suggestion, line, character, context, stats)
+        if document.text == text:
+            self.ahead.start(document, offset, completion)
+        return completion
 
+    async def suggest(self, document: Document, offset: int, wanted) -> tuple[str, object, object] | None:
+        """Generate the suggestion at `offset`: (text, stats, cursor context), or None once wanted() turns false
+        (its generation is stopped)."""
         cursor_line, column = document.line_column(offset)
         context = treesitter.analyze(document.text, cursor_line, column, document.tree())
         request = self._request(document, offset, context)
         trimmer = SuffixTrimmer(request.suffix)
         text, stats = "", None
-        try:
-            # leaving this block early (a break, a cancelled task) stops the generation: the backend cancels
-            # its job or closes its HTTP stream
-            async with aclosing(server.backend.infill(request)) as pieces:
-                async for piece in pieces:
-                    stats = piece.stats or stats
-                    text += piece.text
-                    trimmer.feed(piece.text)
-                    if not self.is_current(uri, number):
-                        return None
-                    if (context.multiline and treesitter.block_end(text, context.block_indent) < len(text)) \
-                            or trimmer.done:
-                        break  # the rest would be cut anyway: stop paying for it
-        except Unavailable as exc:  # a busy or unreachable server: the next keystroke asks again
-            server.report_unavailable(exc)
-            return None
-        server.report_unavailable(None)
-        if not self.is_current(uri, number):  # superseded while generating: its generation was stopped midway
-            return None
+        # leaving this block early (a break, a cancelled task) stops the generation: the backend cancels its job or
+        # closes its HTTP stream
+        async with aclosing(self.server.backend.infill(request)) as pieces:
+            async for piece in pieces:
+                stats = piece.stats or stats
+                text += piece.text
+                trimmer.feed(piece.text)
+                if not wanted():
+                    return None
+                if (context.multiline and treesitter.block_end(text, context.block_indent) < len(text)) \
+                        or trimmer.done:
+                    break  # the rest would be cut anyway: stop paying for it
         if context.multiline:
             text = text[: treesitter.block_end(text, context.block_indent)]
-        text = trim_to_suffix(text, request.suffix).rstrip()
-        server.send_stats("completion", stats)
-        return Completion(text, line, character, context, stats) if text.strip() else None
+        return trim_to_suffix(text, request.suffix).rstrip(), stats, context
 
     def _request(self, document: Document, offset: int, context) -> InfillRequest:
         """Snapshot, on the event loop, what the prompt is built from: documents change under us otherwise."""

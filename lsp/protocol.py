@@ -67,6 +67,7 @@ class Stats:
     cached_tokens: int = 0  # of those, tokens the session's KV cache already held (not prefilled again)
     seconds: float = 0.0  # generation time, prefill included
     prefill_seconds: float = 0.0  # time to the first token
+    precomputed: bool = False  # answered from accept-ahead: computed while the accepted suggestion was on screen
 
 
 @dataclass

@@ -108,16 +108,18 @@ class CodespecProtocol(LanguageServerProtocol):
 
 class CodespecServer(LanguageServer):
     def __init__(self, model_config: ModelConfig | None = None, scheduler=None, model_fixed: bool = False,
-                 server_url: str | None = None, api_key: str | None = None):
+                 server_url: str | None = None, api_key: str | None = None, cache_reuse: int = 0):
         """scheduler: share an engine already running in this process (an HTTP server's); else the model named by
         the settings is loaded after initialize. model_fixed: the model came from the command line and wins
         over initializationOptions. server_url: generate on that codespec HTTP server instead (no model here);
-        api_key: its key (else $CODESPEC_API_KEY; the api_key setting replaces either)."""
+        api_key: its key (else $CODESPEC_API_KEY; the api_key setting replaces either). cache_reuse: the loaded
+        engine's --cache-reuse (Engine.cache_reuse)."""
         super().__init__(SERVER_NAME, __version__, protocol_cls=CodespecProtocol,
                          text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.settings = Settings()
         self.model_config = model_config or ModelConfig()
         self.model_fixed = model_fixed
+        self.cache_reuse = cache_reuse
         self.documents = Documents()
         self.completer = Completer(self)
         self.converter = self.protocol._converter
@@ -150,6 +152,7 @@ class CodespecServer(LanguageServer):
             config = ModelConfig(model=model, device=self.model_config.device, dtype=self.model_config.dtype,
                                  forward=self.model_config.forward)
             engine = Engine.load(config, settings_module.spec_config(self.settings), show_progress=False)
+            engine.cache_reuse = self.cache_reuse
             self._loaded.set_result(Scheduler(engine))
         except BaseException as exc:  # reported to every request that needs the model
             logger.error("codespec: the model could not be loaded: %s", exc)
@@ -219,16 +222,22 @@ class CodespecServer(LanguageServer):
             self.window_log_message(types.LogMessageParams(type=types.MessageType.Warning,
                                                            message=f"codespec: {source}: {problem} (ignored)"))
 
-    def stats_params(self, kind: str, stats) -> dict:
+    def stats_params(self, kind: str, stats, precomputed: bool = False) -> dict:
         if stats is None:
-            return asdict(Stats(kind, 0, 0.0, 0.0, 0.0))
+            return asdict(Stats(kind, 0, 0.0, 0.0, 0.0, precomputed=precomputed))
         return asdict(Stats(kind, stats.generated_tokens, round(stats.tokens_per_second, 2),
                             round(stats.tokens_per_forward, 3), round(stats.acceptance_rate, 4),
                             stats.prompt_tokens, stats.cached_tokens, round(stats.seconds, 4),
-                            round(stats.prefill_seconds, 4)))
+                            round(stats.prefill_seconds, 4), precomputed))
 
-    def send_stats(self, kind: str, stats) -> None:
-        self.protocol.notify(STATS_NOTIFICATION, self.stats_params(kind, stats))
+    def send_stats(self, kind: str, stats, precomputed: bool = False) -> None:
+        self.protocol.notify(STATS_NOTIFICATION, self.stats_params(kind, stats, precomputed))
+
+    def stop_engine(self) -> None:
+        """The client is gone: stop the engine's worker between two steps (a background job such as accept-ahead may
+        still be running), so the process never exits in the middle of a forward."""
+        if self._loaded.done() and self._loaded.exception() is None:
+            self._loaded.result().close()
 
     async def forget(self, uri: str, pool: bool) -> None:
         """A document closed: its sessions go (their KV caches are not worth the memory). With `pool`, it also
@@ -249,8 +258,8 @@ class CodespecServer(LanguageServer):
 
 
 def build_server(model_config: ModelConfig | None = None, scheduler=None, model_fixed: bool = False,
-                 server_url: str | None = None, api_key: str | None = None) -> CodespecServer:
-    server = CodespecServer(model_config, scheduler, model_fixed, server_url, api_key)
+                 server_url: str | None = None, api_key: str | None = None, cache_reuse: int = 0) -> CodespecServer:
+    server = CodespecServer(model_config, scheduler, model_fixed, server_url, api_key, cache_reuse)
 
     @server.feature(types.INITIALIZE)
     def initialize(ls: CodespecServer, params: types.InitializeParams):
@@ -340,14 +349,19 @@ def command_handler(command_id: str):
 
 
 def serve(model_config: ModelConfig | None = None, model_fixed: bool = False,
-          tcp: tuple[str, int] | None = None, server_url: str | None = None, api_key: str | None = None) -> None:
+          tcp: tuple[str, int] | None = None, server_url: str | None = None, api_key: str | None = None,
+          cache_reuse: int = 0) -> None:
     """Run until the client exits: over stdio, or on a TCP port for one client."""
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")  # stderr: stdout is the protocol
-    server = build_server(model_config, model_fixed=model_fixed, server_url=server_url, api_key=api_key)
-    if tcp is not None:
-        server.start_tcp(*tcp)
-        return
-    stdin = CheckedInput(sys.stdin.buffer)
-    server.start_io(stdin=stdin)
+    server = build_server(model_config, model_fixed=model_fixed, server_url=server_url, api_key=api_key,
+                          cache_reuse=cache_reuse)
+    try:
+        if tcp is not None:
+            server.start_tcp(*tcp)
+            return
+        stdin = CheckedInput(sys.stdin.buffer)
+        server.start_io(stdin=stdin)
+    finally:
+        server.stop_engine()
     if stdin.error is not None:  # exit with status 1 and say why, so the editor restarts the server
         raise CodespecError(f"the LSP stream is corrupt, so the server stopped: {stdin.error}")

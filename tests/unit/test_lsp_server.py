@@ -118,6 +118,31 @@ async def test_inline_completion_comes_back_at_the_cursor(client: LanguageClient
     assert stats.kind == "completion" and 0 < stats.generated_tokens <= DEFAULTS["max_tokens"]
 
 
+async def test_the_suggestion_after_an_accept_was_computed_while_the_first_was_shown(client: LanguageClient):
+    """Accept-ahead: accepting the shown suggestion (inserting it, the cursor after it) and asking again is answered
+    from the work done in the background; any other edit is answered afresh."""
+    uri = open_document(client, "ahead.py")
+    first = (await client.text_document_inline_completion_async(inline_params(uri, 5, 4))).items[0].insert_text
+    lines = (SOURCE[: SOURCE.index("    \n", SOURCE.index("def mul")) + 4] + first).split("\n")
+    end = types.Position(len(lines) - 1, len(lines[-1]))
+    client.text_document_did_change(types.DidChangeTextDocumentParams(
+        types.VersionedTextDocumentIdentifier(uri=uri, version=2),
+        [types.TextDocumentContentChangePartial(range=types.Range(types.Position(5, 4), types.Position(5, 4)),
+                                                text=first)]))
+    before = len(client.stats)
+    result = await client.text_document_inline_completion_async(inline_params(uri, end.line, end.character))
+    await until(lambda: len(client.stats) > before)
+    assert client.stats[-1].precomputed is True
+    assert not result.items or result.items[0].range == types.Range(start=end, end=end)
+    client.text_document_did_change(types.DidChangeTextDocumentParams(  # typing something else instead
+        types.VersionedTextDocumentIdentifier(uri=uri, version=3),
+        [types.TextDocumentContentChangePartial(range=types.Range(end, end), text="x")]))
+    before = len(client.stats)
+    await client.text_document_inline_completion_async(inline_params(uri, end.line, end.character + 1))
+    await until(lambda: len(client.stats) > before)
+    assert client.stats[-1].precomputed is False
+
+
 async def test_completion_fallback_has_a_text_edit_at_the_cursor(client: LanguageClient):
     uri = open_document(client, "fallback.py")
     result = await client.text_document_completion_async(types.CompletionParams(
