@@ -174,15 +174,15 @@ class Generations:
             raise CodespecError("the prompt is empty")
         self.warmups = {name: job for name, job in self.warmups.items() if not job.done}
         session_id, temporary = self._pick(engine, plan, prompt.ids)
-        superseded = self.warmups.pop(session_id, None)
+        run = Run(plan, prompt, session_id, temporary, arrived)
+        run.filter = OutputFilter(prompt.limits, plan.t_max_predict_ms)
+        run.job = self.scheduler.submit_steps(lambda engine: self._steps(engine, run), session_id=session_id)
+        superseded = self.warmups.pop(session_id, None)  # (a request refused with 429 above supersedes nothing)
         if superseded is not None:
             # A newer request on this session: its warm-up ends at its next chunk, and what it computed stays in
             # the cache. The newer prompt reuses that (llama.vim's instruction shares its warm-up's start) instead
             # of waiting for the rest of a prefill that it would throw away or do itself anyway.
             superseded.cancel()
-        run = Run(plan, prompt, session_id, temporary, arrived)
-        run.filter = OutputFilter(prompt.limits, plan.t_max_predict_ms)
-        run.job = self.scheduler.submit_steps(lambda engine: self._steps(engine, run), session_id=session_id)
         if plan.warm_only and not temporary:
             self.warmups[session_id] = run.job
         return run

@@ -196,6 +196,32 @@ def test_a_request_naming_no_slot_takes_over_a_warming_slot(engine, slow_server)
     assert warm["usage"]["completion_tokens"] == 0
 
 
+def test_a_request_refused_for_a_full_queue_does_not_end_a_warm_up(engine, monkeypatch):
+    import codespec.scheduler
+
+    original = codespec.scheduler.forward_batch
+    monkeypatch.setattr(codespec.scheduler, "forward_batch", lambda *a, **k: (time.sleep(0.1), original(*a, **k))[1])
+    app = create_app(engine, ServerConfig(max_queue=1, parallel=1, prefill_chunk=16))
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": ""}]
+        thread, warm = start_warm_up(client, {"id_slot": 5, "messages": messages, "n_predict": 0})
+        deadline = time.monotonic() + 30
+        while not (slot(client, "slot-5") or {}).get("cached"):
+            assert time.monotonic() < deadline, "the warm-up never started"
+            time.sleep(0.01)
+        queued = threading.Thread(target=client.post, args=("/v1/completions",),
+                                  kwargs={"json": {"prompt": "import os\n", "max_tokens": 2, "session": "other"}})
+        queued.start()  # waits: the one active place is the warm-up's
+        while app.state.scheduler.queued < 1:
+            time.sleep(0.01)
+        refused = client.post("/v1/chat/completions", json={"id_slot": 5, "messages": messages, "max_tokens": 2})
+        assert refused.status_code == 429
+        thread.join(60)
+        queued.join(60)
+        warmed = slot(client, "slot-5")
+        assert warmed["cached"] == warmed["tokens"] - 1, "the refused request ended the warm-up"
+
+
 # -- llama.cpp's /completion ----------------------------------------------------------------------------------------
 
 
