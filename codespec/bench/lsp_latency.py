@@ -10,6 +10,11 @@
    drafter chain, interleaved, each run in a fresh document (so every run prefills the same prompt and starts
    with no acceptance history). Greedy: every chain must produce the identical edit.
 
+`--backend thin` times the thin language server instead (`codespec lsp --server URL`, generating on a
+`codespec serve` started on loopback with the same model, or on `--server URL`); `--backend both` runs the
+in-process language server, then the thin one (never both at once: two processes with their own torch threads
+on one CPU slow each other down), and reports the thin one's p50 and p95 as ratios of the in-process ones.
+
 Holds /tmp/codespec-bench.lock while it runs (and waits for another holder to finish first).
 """
 
@@ -155,6 +160,7 @@ async def typing_latency(client: Client, char_lines: int = 4) -> dict:
         latencies = sorted(r[0] for r in runs)
         return {"requests": len(runs), "p50_ms": round(1000 * statistics.median(latencies), 1),
                 "p90_ms": round(1000 * latencies[int(0.9 * (len(latencies) - 1))], 1),
+                "p95_ms": round(1000 * latencies[round(0.95 * (len(latencies) - 1))], 1),
                 "median_tokens": statistics.median(r[2]["generated_tokens"] for r in runs),
                 "median_prefilled_tokens": statistics.median(r[2]["prompt_tokens"] - r[2]["cached_tokens"]
                                                              for r in runs),
@@ -241,18 +247,49 @@ def decode_seconds(stats: dict) -> float:
     return max(stats["seconds"] - stats["prefill_seconds"], 1e-9)
 
 
+def run_backends(args) -> dict:
+    """The in-process language server, then (its process gone, so the two never share the CPU) the thin one
+    against a codespec serve started for it, or against --server."""
+    if args.backend == "local":
+        return asyncio.run(run(args))
+    from .server_load import serve
+
+    in_process = asyncio.run(run(args)) if args.backend == "both" else None
+    with serve(args.server, model_args(args)) as http:
+        thin = asyncio.run(run(args, str(http.base_url).rstrip("/")))
+    if in_process is None:
+        return thin
+    return {"in_process": in_process, "thin": thin, "thin_vs_in_process": thin_ratios(in_process, thin)}
+
+
+def thin_ratios(in_process: dict, thin: dict) -> dict:
+    """The thin language server's p50 and p95 over the in-process one's, per completion kind."""
+    if "typing" not in in_process:
+        return {}
+    return {key: {f"{q}_ratio": round(thin["typing"][key][f"{q}_ms"] / in_process["typing"][key][f"{q}_ms"], 3)
+                  for q in ("p50", "p95")} for key in ("block_32", "per_character")}
+
+
 def format_report(data: dict) -> str:
+    if "thin" in data:
+        lines = [f"== {name} ==\n{format_report(data[key])}\n" for key, name in
+                 (("in_process", "in-process language server (codespec lsp)"),
+                  ("thin", "thin language server (codespec lsp --server, loopback)"))]
+        for key, ratios in data["thin_vs_in_process"].items():
+            lines.append(f"thin / in process, {key}: p50 {ratios['p50_ratio']}x, p95 {ratios['p95_ratio']}x")
+        return "\n".join(lines)
     lines = []
     if "typing" in data:
         typing = data["typing"]
         lines += [f"typing ({TYPING[0]}.{TYPING[1]}, cursor halfway; cold first request {typing['cold_ms']} ms for "
                   f"{typing['cold_prompt_tokens']} prompt tokens)",
-                  f"{'completion':<22}{'requests':>9}{'p50 ms':>9}{'p90 ms':>9}{'tokens':>8}{'prefilled':>10}"
-                  f"{'prompt':>8}{'tok/fwd':>9}"]
+                  f"{'completion':<22}{'requests':>9}{'p50 ms':>9}{'p90 ms':>9}{'p95 ms':>9}{'tokens':>8}"
+                  f"{'prefilled':>10}{'prompt':>8}{'tok/fwd':>9}"]
         for name, key in (("32-token block", "block_32"), ("one line, per char", "per_character")):
             row = typing[key]
-            lines.append(f"{name:<22}{row['requests']:>9}{row['p50_ms']:>9}{row['p90_ms']:>9}{row['median_tokens']:>8}"
-                         f"{row['median_prefilled_tokens']:>10}{row['median_prompt_tokens']:>8}"
+            lines.append(f"{name:<22}{row['requests']:>9}{row['p50_ms']:>9}{row['p90_ms']:>9}{row['p95_ms']:>9}"
+                         f"{row['median_tokens']:>8}{row['median_prefilled_tokens']:>10}"
+                         f"{row['median_prompt_tokens']:>8}"
                          f"{row['median_tokens_per_forward']:>9.2f}")
         lines.append("")
     if "rewrite" in data:
@@ -274,16 +311,18 @@ def format_report(data: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
-async def run(args) -> dict:
-    server = [sys.executable, "-m", "codespec", "lsp", "--dtype", args.dtype]
-    if args.model:
-        server += ["--model", args.model]
-    if args.forward:
-        server += ["--forward", args.forward]
+def model_args(args) -> list[str]:
+    return ["--dtype", args.dtype] + (["--model", args.model] if args.model else []) + \
+        (["--forward", args.forward] if args.forward else [])
+
+
+async def run(args, server_url: str | None = None) -> dict:
+    """One language server's phases: in process, or thin against `server_url`."""
+    server = [sys.executable, "-m", "codespec", "lsp"] + (["--server", server_url] if server_url else model_args(args))
     client = Client()
     await client.start(server, {"debounce_ms": 0, "max_tokens": 32, "command_max_tokens": 1024})
     phases = {phase.strip() for phase in args.phases.split(",")}
-    data = {"dtype": args.dtype, "model": args.model or "smollm2"}
+    data = {"dtype": args.dtype, "model": args.model or "smollm2", "backend": "thin" if server_url else "in process"}
     try:
         if "typing" in phases:
             data["typing"] = await typing_latency(client)
@@ -306,9 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", default="typing,rewrite,contention",
                         help="typing, rewrite (chains side by side), contention (a completion during a rewrite)")
     parser.add_argument("--no-lock", action="store_true", help=f"do not wait for or hold {LOCK}")
+    parser.add_argument("--backend", choices=("local", "thin", "both"), default="local",
+                        help="local: the model in the language server (default); thin: `codespec lsp --server` on "
+                             "a codespec serve; both: one after the other, with the thin one's ratios")
+    parser.add_argument("--server", metavar="URL", help="thin: this running codespec serve (else one is started "
+                                                        "on loopback with --model/--dtype/--forward)")
     args = parser.parse_args(argv)
+    if args.server and args.backend == "local":
+        args.backend = "thin"
     with bench_lock(not args.no_lock):
-        data = asyncio.run(run(args))
+        data = run_backends(args)
     print(format_report(data))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=2))
