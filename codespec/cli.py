@@ -404,14 +404,7 @@ def run_serve(args) -> int:
     return_freed_memory()  # a long-running process: freed buffers go back to the system (memory.py)
 
     model_config, spec, params = settings_from_args(args)
-    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, max_queue=args.max_queue,
-                          parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20,
-                          allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                          read_timeout=args.read_timeout, n_predict=serve_n_predict(args))
-    try:
-        config.validate()
-    except ValueError as exc:
-        raise CodespecError(str(exc)) from None
+    config = server_config(args)
     engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
     engine.cache_reuse = args.cache_reuse
     name = DEFAULT_NAME if model_config.model in DEFAULT_ALIASES else model_config.model
@@ -424,6 +417,19 @@ def run_serve(args) -> int:
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind
         raise CodespecError(f"cannot serve on {config.host}:{config.port} (is the port in use?)") from exc
     return 0
+
+
+def server_config(args) -> ServerConfig:
+    """`codespec serve`'s ServerConfig from its arguments, checked (a bad value stops the start with one line)."""
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, max_queue=args.max_queue,
+                          parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20,
+                          allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+                          read_timeout=args.read_timeout, n_predict=serve_n_predict(args))
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise CodespecError(str(exc)) from None
+    return config
 
 
 def serve_n_predict(args) -> int:

@@ -72,3 +72,21 @@ def workspace_edit_for(edit: dict, uri: str) -> list[dict]:
         return [e for change in edit["documentChanges"] if change["textDocument"]["uri"] == uri
                 for e in change["edits"]]
     return (edit.get("changes") or {}).get(uri, [])
+
+
+# the Python file both editors' end-to-end tests (Neovim, VS Code) edit: a completion after `return`, a rewrite
+# of add_numbers
+EDITOR_SOURCE = '''\
+import math
+
+
+def circle_area(radius):
+    """The area of a circle."""
+    return
+
+
+def add_numbers(a, b):
+    total = a + b
+    print("the total is", total)
+    return total
+'''

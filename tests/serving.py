@@ -67,6 +67,18 @@ def start_codespec_serve(port: int) -> tuple[subprocess.Popen, httpx.Client]:
         time.sleep(0.2)
 
 
+@contextmanager
+def running_codespec_serve():
+    """start_codespec_serve on a free port for a `with` block (a module fixture): yields the client, then stops it."""
+    process, client = start_codespec_serve(free_port())
+    try:
+        yield client
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

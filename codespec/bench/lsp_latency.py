@@ -6,7 +6,9 @@
    every later one reuses the document's session, so a keystroke prefills only the tokens that changed.
    Latency is from sending the edit to receiving the completion, with the debounce set to 0 (a client's
    debounce adds its own wait on top).
-2. **Rewrite command.** `codespec.rewriteSelection` on `json.decoder.py_scanstring` (58 lines) with each
+2. **Accept** (`--phases accept`). A block suggestion is shown on an empty line, looked at for 3 s, accepted, and
+   the editor asks again at the end of it: the latency of that request, answered by accept-ahead when it could be.
+3. **Rewrite command.** `codespec.rewriteSelection` on `json.decoder.py_scanstring` (58 lines) with each
    drafter chain, interleaved, each run in a fresh document (so every run prefills the same prompt and starts
    with no acceptance history). Greedy: every chain must produce the identical edit.
 
@@ -171,6 +173,35 @@ async def typing_latency(client: Client, char_lines: int = 4) -> dict:
             "block_32": summary(blocks), "per_character": summary(chars)}
 
 
+async def accept_latency(client: Client, positions: int = 10, think_seconds: float = 3.0) -> dict:
+    """Accept-ahead: at each of `positions` empty, indented lines of the typing document, a block suggestion is
+    shown, the user looks at it for think_seconds (the server computes what follows accepting it meanwhile), accepts
+    it (the suggestion inserted, the cursor after it), and the editor asks again: that request's latency."""
+    text, lines = typing_document()
+    rows = []
+    for number, target in enumerate(lines[:positions]):
+        uri = f"file:///bench/accept-{number}.py"
+        line = text.count("\n")
+        indent = len(target) - len(target.lstrip())
+        client.open(uri, text + "".join(f"{previous}\n" for previous in lines[:number]) + target[:indent])
+        line += number
+        _, shown, _ = await client.complete(uri, line, indent)
+        if not shown:
+            client.close(uri)
+            continue
+        await asyncio.sleep(think_seconds)
+        client.insert(uri, line, indent, shown)
+        end_line = line + shown.count("\n")
+        end_column = len(shown.rsplit("\n", 1)[-1]) + (indent if "\n" not in shown else 0)
+        elapsed, _, stats = await client.complete(uri, end_line, end_column)
+        rows.append({"ms": round(1000 * elapsed, 1), "precomputed": bool(stats.get("precomputed"))})
+        client.close(uri)
+    latencies = sorted(r["ms"] for r in rows)
+    return {"positions": len(rows), "think_seconds": think_seconds, "p50_ms": statistics.median(latencies),
+            "p95_ms": latencies[round(0.95 * (len(latencies) - 1))],
+            "precomputed": sum(r["precomputed"] for r in rows), "rows": rows}
+
+
 def rewrite_whole(uri: str, source: str, instruction: str) -> types.ExecuteCommandParams:
     """codespec.rewriteSelection over the whole of a document whose text is `source`."""
     return types.ExecuteCommandParams(command="codespec.rewriteSelection", arguments=[
@@ -308,6 +339,11 @@ def format_report(data: dict) -> str:
         lines.append(f"32-token block completion, p50 of {c['requests']}: {c['alone_p50_ms']} ms alone, "
                      f"{c['during_rewrite_p50_ms']} ms while a rewrite decodes in the same process ({c['ratio']}x; "
                      f"rewrite still running after: {c['rewrite_still_running_after']})")
+    if "accept" in data:
+        a = data["accept"]
+        lines.append(f"the suggestion after accepting a block suggestion ({a['positions']} positions, "
+                     f"{a['think_seconds']} s looking at it first): p50 {a['p50_ms']} ms, p95 {a['p95_ms']} ms, "
+                     f"{a['precomputed']} answered by accept-ahead")
     return "\n".join(lines).rstrip()
 
 
@@ -330,6 +366,8 @@ async def run(args, server_url: str | None = None) -> dict:
             data["rewrite"] = await rewrite_speed(client, args.repeats)
         if "contention" in phases:
             data["contention"] = await contention(client)
+        if "accept" in phases:
+            data["accept"] = await accept_latency(client)
     finally:
         await client.stop()
     return data
@@ -343,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each rewrite chain (median)")
     parser.add_argument("--out", default="bench-results/lsp-latency.json")
     parser.add_argument("--phases", default="typing,rewrite,contention",
-                        help="typing, rewrite (chains side by side), contention (a completion during a rewrite)")
+                        help="typing, rewrite (chains side by side), contention (a completion during a rewrite), "
+                             "accept (the suggestion after accepting one: accept-ahead)")
     parser.add_argument("--no-lock", action="store_true", help=f"do not wait for or hold {LOCK}")
     parser.add_argument("--backend", choices=("local", "thin", "both"), default="local",
                         help="local: the model in the language server (default); thin: `codespec lsp --server` on "

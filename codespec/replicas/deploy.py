@@ -289,17 +289,13 @@ class Gateway:
 
 def build_app(args, replicas: int):
     """The Serve application for parsed `codespec serve` arguments (codespec/cli.py)."""
-    from ..cli import serve_n_predict, settings_from_args
+    from ..cli import server_config, settings_from_args
     from ..errors import CodespecError
     from ..models import DEFAULT_ALIASES, DEFAULT_NAME
 
     model, spec, params = settings_from_args(args)
-    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, max_queue=args.max_queue,
-                          parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20,
-                          allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                          read_timeout=args.read_timeout, n_predict=serve_n_predict(args))
+    server = server_config(args)
     try:
-        server.validate()
         model.validate()
     except ValueError as exc:
         raise CodespecError(str(exc)) from None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import free_port, start_codespec_serve
+from tests.serving import running_codespec_serve
 
 pytestmark = pytest.mark.integration
 
@@ -32,11 +32,8 @@ INSTRUCTION_SYSTEM = (
 
 @pytest.fixture(scope="module")
 def server():
-    process, client = start_codespec_serve(free_port())
-    yield client
-    client.close()
-    process.terminate()
-    process.wait(timeout=30)
+    with running_codespec_serve() as client:
+        yield client
 
 
 def ring_chunk(path: str, first_line: int) -> dict:

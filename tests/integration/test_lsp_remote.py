@@ -23,6 +23,7 @@ from codespec.context.treesitter import indent_of
 from lsp import commands
 from lsp.protocol import ADD_DOCSTRINGS, REWRITE_SELECTION, SETTINGS_SECTION, STATS_NOTIFICATION
 from tests.serving import free_port
+from tests.integration.test_lsp import RANGE, SOURCE  # the same document and selection
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
@@ -31,25 +32,6 @@ PORT = free_port()
 URL = f"http://127.0.0.1:{PORT}"
 THIN = [sys.executable, "-m", "codespec", "lsp", "--server", URL]
 URI = "file:///work/stats.py"
-SOURCE = '''import math
-
-
-def circle_area(radius):
-    """The area of a circle."""
-    return math.pi * radius * radius
-
-
-def mean(values):
-    total = 0
-    for value in values:
-        total += value
-    return total / len(values)
-
-
-def variance(values):
-    
-'''
-RANGE = types.Range(start=types.Position(line=8, character=0), end=types.Position(line=13, character=0))  # mean()
 SETTINGS = {"debounce_ms": 0, "max_tokens": 64, "command_max_tokens": 160}
 
 

@@ -18,24 +18,11 @@ import pynvim
 import pytest
 
 from lsp.protocol import REWRITE_SELECTION
-from tests.editors import NVIM_PLUGIN, apply_text_edits, nvim, tool, user_command_name, workspace_edit_for
+from tests.editors import EDITOR_SOURCE, NVIM_PLUGIN, apply_text_edits, nvim, tool, user_command_name, workspace_edit_for
 
 pytestmark = pytest.mark.integration
 
-SOURCE = '''\
-import math
-
-
-def circle_area(radius):
-    """The area of a circle."""
-    return
-
-
-def add_numbers(a, b):
-    total = a + b
-    print("the total is", total)
-    return total
-'''
+SOURCE = EDITOR_SOURCE
 INSTRUCTION = "rename the variable total to result"
 
 INIT_LUA = '''

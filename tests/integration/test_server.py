@@ -10,7 +10,7 @@ import pytest
 
 from codespec.config import SamplingParams
 from codespec.context.fim import detect_fim, fim_prompt, trim_to_suffix
-from tests.serving import free_port, sse_events, start_codespec_serve
+from tests.serving import running_codespec_serve, sse_events
 
 pytestmark = pytest.mark.integration
 
@@ -21,11 +21,8 @@ EXTRA = [("stats/util.py", "def clamp(x, low, high):\n    return max(low, min(x,
 
 @pytest.fixture(scope="module")
 def server():
-    process, client = start_codespec_serve(free_port())
-    yield client
-    client.close()
-    process.terminate()
-    process.wait(timeout=30)
+    with running_codespec_serve() as client:
+        yield client
 
 
 def metric(client, name):

@@ -30,7 +30,7 @@ import pytest
 
 from codespec.config import codespec_home
 from lsp.protocol import REWRITE_SELECTION
-from tests.editors import PROTOCOL_JSON, VSCODE, apply_text_edits, tool, tool_env, workspace_edit_for
+from tests.editors import EDITOR_SOURCE, PROTOCOL_JSON, VSCODE, apply_text_edits, tool, tool_env, workspace_edit_for
 
 pytestmark = pytest.mark.integration
 
@@ -43,20 +43,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-component-update", "--disable-sync"]
 WAIT_S = 240  # a first completion on a busy 2-core machine: server start, model load, prompt prefill
 
-SOURCE = '''\
-import math
-
-
-def circle_area(radius):
-    """The area of a circle."""
-    return
-
-
-def add_numbers(a, b):
-    total = a + b
-    print("the total is", total)
-    return total
-'''
+SOURCE = EDITOR_SOURCE
 TYPED = " math"  # typed after `return` in circle_area
 INSTRUCTION = "rename the variable total to result"
 
