@@ -1,10 +1,11 @@
 """Token healing: a prompt that ends mid-token is backed up over its last token, and generation must spell that
-token's text again before anything else (Guidance's token healing; llama.cpp has it as an option).
+token's text again before anything else (token healing, as Guidance does it).
 
 Editors cut prompts at the cursor, not at token boundaries. On an empty line the prompt ends with a bare newline,
 where this kind of tokenizer writes newline-plus-indentation as one token, so the model, having never seen a bare
 newline before code, writes another one: the suggestion starts with blank lines. Half an identifier has the same
-problem. Backing up one token and constraining the first generated tokens to start with its text lets the model
+problem in principle, but healing a word lets the model second-guess what was typed (heal), so only whitespace is
+healed. Backing up one token and constraining the first generated tokens to start with its text lets the model
 choose the token it would have used ("\\n        ") and the suggestion starts where a person expects.
 
 Constraints work on token strings (the vocabulary's own spelling: "Ċ" for a byte-level newline), so every token is
@@ -47,12 +48,16 @@ class Vocabulary:
 
 
 def heal(vocabulary: Vocabulary, ids: list[int], keep: int) -> tuple[list[int], str | None]:
-    """The prompt without its last token when some longer token starts with that token's text, and that text
-    (None: nothing to heal). The first `keep` tokens are never removed."""
+    """The prompt without its last token when that token is whitespace (a bare newline, indentation, a space) that a
+    longer token starts with, and that token's string (None: nothing to heal). The first `keep` tokens stay.
+
+    Only whitespace: a word the user typed is kept as typed. Healing it lets the model reconsider the word with the
+    priors it had before it (measured in a real VS Code: after `return math` it chose " mathematical" over " math"
+    and suggested `ematical_math.pi * ...` where the unhealed prompt gave `.pi * radius ** 2`)."""
     if len(ids) <= max(keep, 1):
         return ids, None
     piece = vocabulary.pieces[ids[-1]] if ids[-1] < vocabulary.size else None
-    if piece is None or len(vocabulary.starting_with(piece)) < 2:
+    if piece is None or vocabulary.text(piece).strip() or len(vocabulary.starting_with(piece)) < 2:
         return ids, None
     return ids[:-1], piece
 

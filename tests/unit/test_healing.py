@@ -18,6 +18,8 @@ def test_a_bare_newline_is_healed_and_a_finished_token_is_kept(tokenizer):
     longer = [vocabulary.pieces[t] for t in vocabulary.starting_with(piece)]
     assert any(p.startswith(piece) and len(p) > len(piece) for p in longer)  # newline plus indentation exists
     assert heal(vocabulary, ids, len(ids)) == (ids, None)  # `keep` tokens are never removed
+    word = tokenizer("x = self.value", add_special_tokens=False).input_ids
+    assert heal(vocabulary, word, 0) == (word, None)  # a typed word stays as typed
     special = tokenizer.convert_tokens_to_ids("<eos>")
     assert heal(vocabulary, ids + [special], 0) == (ids + [special], None)  # special tokens are not text
 
