@@ -58,9 +58,7 @@ class AcceptAhead:
             raise
         except Exception:  # a failed follow-up: the request computes its own
             return None
-        if result is None or not result[0].strip():
-            return None
-        return result
+        return result  # an empty suggestion too: asking again would only find the same
 
     def drop(self, uri: str) -> None:
         ahead = self.pending.pop(uri, None)

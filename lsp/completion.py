@@ -108,6 +108,8 @@ class Completer:
         if ahead is not None:
             suggestion, stats, context = ahead
             server.send_stats("completion", stats, precomputed=True)
+            if not suggestion.strip():
+                return None
             completion = Completion(suggestion, line, character, context, stats)
             self.ahead.start(document, offset, completion)
             return completion
