@@ -12,16 +12,14 @@ the session's previous request (its cache), read from each answer's X-Codespec-R
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 
-from .server_load import percentile, positions, serve
+from .server_load import metric_lines, percentile, positions, serve, write_report
 
 
 def sessions_run(client: httpx.Client, bodies: list[dict], n_predict: int, rounds: int) -> dict:
@@ -89,12 +87,9 @@ def main(argv=None) -> int:
         with serve(None, extra) as client:
             client.post("/infill", json={**bodies[-1], "n_predict": 4})  # first-request costs out of the way
             report[f"replicas_{count}"] = run = sessions_run(client, bodies, args.n_predict, args.rounds)
-            report[f"replicas_{count}_routes"] = [line for line in client.get("/metrics").text.splitlines()
-                                                  if line.startswith("codespec_replica_routes_total")]
+            report[f"replicas_{count}_routes"] = metric_lines(client, "codespec_replica_routes_total")
         print(f"  {count} replica(s): {run}", file=sys.stderr)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_report(args.out, report)
     counts = [int(n) for n in args.replicas.split(",")]
     base = report[f"replicas_{counts[0]}"]["tokens_per_second"]
     print(f"{args.clients} clients x {args.rounds} requests of {args.n_predict} tokens, {args.cpus:g} CPUs in all",

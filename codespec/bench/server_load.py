@@ -88,6 +88,18 @@ def serve(url: str | None, extra_args: list[str]):
         process.wait(timeout=60)
 
 
+def metric_lines(client, prefix: str) -> list[str]:
+    """The server's /metrics lines of one metric family."""
+    return [line for line in client.get("/metrics").text.splitlines() if line.startswith(prefix)]
+
+
+def write_report(path, report: dict) -> None:
+    """The report as JSON at `path` (folders made) and on stdout."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
 def infill(client, body: dict) -> dict:
     started = time.perf_counter()
     response = client.post("/infill", json=body)
@@ -192,12 +204,9 @@ def main(argv=None) -> int:
             with serve(args.url, args.serve_args) as client:  # a fresh server each: the same pool state to start
                 infill(client, {**bodies[-1], "n_predict": 4})  # first-request costs (cost model) out of the way
                 report[mode] = throughput(client, bodies, args.n_predict, clients, args.rounds, concurrent)
-                report[f"{mode}_acceptance"] = [line for line in client.get("/metrics").text.splitlines()
-                                                if line.startswith("codespec_draft_acceptance_ratio")]
+                report[f"{mode}_acceptance"] = metric_lines(client, "codespec_draft_acceptance_ratio")
             print(f"  {mode}: {report[mode]}", file=sys.stderr)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_report(args.out, report)
     if "cold" in report:
         cold, warm = report["cold"], report["warm"]
         print(f"/infill {args.n_predict} tokens: cold p50 {cold['p50_s']} s p95 {cold['p95_s']} s; "

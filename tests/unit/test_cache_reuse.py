@@ -37,20 +37,24 @@ def last_logits(engine, session_id, prompt):
     return logits, reused
 
 
+def slid(tokenizer, layers: int, seed: int, before: slice, after: slice):
+    """A session that held lines[before] is asked for lines[after]: (lines, engine, tokens reused, max |logit
+    difference| from a cold prefill of the same prompt)."""
+    text = lines(np.random.default_rng(seed), 40)
+    engine = engine_with_layers(tokenizer, layers=layers, reuse=16)
+    last_logits(engine, "editor", flat(text[before]))
+    reused_logits, reused = last_logits(engine, "editor", flat(text[after]))
+    cold_logits, cold_reused = last_logits(engine, "cold", flat(text[after]))
+    assert cold_reused == 0
+    return text, engine, reused, (reused_logits - cold_logits).abs().max().item(), cold_logits
+
+
 def test_a_window_that_slides_down_reuses_the_moved_lines_and_one_layer_is_exact(tokenizer):
     """One decoder layer: keys and values depend only on the token and its position, so a moved chunk whose keys
     are turned by the shift is the recomputation, up to rounding. The window drops 3 lines at the top and gains
     2 at the bottom: everything but the new lines is reused."""
-    rng = np.random.default_rng(1)
-    text = lines(rng, 40)
-    before, after = flat(text[:30]), flat(text[3:32])
-    engine = engine_with_layers(tokenizer, layers=1, reuse=16)
-    last_logits(engine, "editor", before)
-    reused_logits, reused = last_logits(engine, "editor", after)
-    cold_logits, cold_reused = last_logits(engine, "cold", after)
-    assert cold_reused == 0
+    text, _, reused, difference, _ = slid(tokenizer, 1, 1, slice(0, 30), slice(3, 32))
     assert reused == len(flat(text[3:30]))  # every line still in the window
-    difference = (reused_logits - cold_logits).abs().max().item()
     print(f"1 layer, float64: max |logit difference| after moving {reused} tokens: {difference:.2e}")
     assert difference < 1e-5  # the rotary tables are float32 (as transformers computes them): ~1e-7 per angle
 
@@ -61,15 +65,9 @@ def test_deeper_layers_differ_from_a_cold_prefill_and_the_history_is_the_new_pro
     greedy output can follow that difference: the default model's identity on real code is an integration
     test.) The session's history is the new prompt and its drafters relearn it, so speculation stays exact with
     respect to the reused cache: speculative and plain decoding of it agree."""
-    rng = np.random.default_rng(2)
-    text = lines(rng, 40)
+    text, engine, reused, difference, cold_logits = slid(tokenizer, 2, 2, slice(0, 30), slice(2, 31))
     before, after = flat(text[:30]), flat(text[2:31])
-    engine = engine_with_layers(tokenizer, layers=2, reuse=16)
-    last_logits(engine, "editor", before)
-    reused_logits, reused = last_logits(engine, "editor", after)
-    cold_logits, _ = last_logits(engine, "cold", after)
     assert reused == len(flat(text[2:30]))
-    difference = (reused_logits - cold_logits).abs().max().item()
     print(f"2 layers, float64: max |logit difference| after a 2-line slide: {difference:.2e} "
           f"(logits span {cold_logits.min().item():.1f}..{cold_logits.max().item():.1f})")
     assert 1e-5 < difference < 2.0
