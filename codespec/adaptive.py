@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -179,16 +180,27 @@ def allocate(costs: CostModel, proposals: list[tuple[float, int]], rows: int, ge
 
 
 @dataclass
+class ModelDrafting:
+    """What a model drafter costs on this device and how it has done lately, shared by every session of an
+    engine: a new session starts from it rather than paying again to learn that a draft model does not pay."""
+
+    seconds: dict[str, float] = field(default_factory=dict)  # per drafted token
+    catch_up: dict[str, float] = field(default_factory=dict)  # one sync of a held-back drafter's cache
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)  # fading evidence over all sessions
+
+
+@dataclass
 class Adaptive:
     """One session's acceptance evidence per drafter, and the device's costs."""
 
     PROBE = 16  # a model drafter judged not to pay still drafts one token after PROBE skipped steps, to notice a
     PROBE_MAX = 256  # change; each probe that misses doubles the wait, up to PROBE_MAX, so probing costs next to nothing
+    PROBE_SHARE = 0.01  # and never more than this share of the time: a probe first syncs the drafter's cache
     LEARN = 0.2  # weight of each new draft in a drafter's per-token drafting time
 
     costs: CostModel
+    shared: ModelDrafting = field(default_factory=ModelDrafting)
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
-    draft_seconds: dict[str, float] = field(default_factory=dict)  # per drafted token, model drafters only
     probe_wait: dict[str, int] = field(default_factory=dict)  # skipped steps before a model drafter's next probe
     probe_countdown: dict[str, int] = field(default_factory=dict)
 
@@ -198,41 +210,62 @@ class Adaptive:
         def limit(drafter: str, available: int) -> int:
             if drafter not in MODEL_DRAFTERS:
                 return available
-            seconds = self.draft_seconds.get(drafter)
+            seconds = self.shared.seconds.get(drafter)
             if seconds is None:  # not timed yet: one token measures what drafting costs before drafting more
                 return min(available, 1)
             evidence = self.of(drafter)
             tokens = choose(self.costs, evidence.alpha, available, pending, seconds)
             if tokens == 0:
                 evidence.skipped += 1
-                countdown = self.probe_countdown.get(drafter, self.PROBE) - 1
+                countdown = self.probe_countdown.get(drafter)
+                if countdown is None:
+                    countdown = self.probe_interval(drafter, pending, self.PROBE)
+                countdown -= 1
                 if countdown <= 0:  # probe once, then wait twice as long for the next one
                     wait = self.probe_wait[drafter] = min(2 * self.probe_wait.get(drafter, self.PROBE), self.PROBE_MAX)
-                    countdown, tokens = wait, 1
+                    countdown, tokens = self.probe_interval(drafter, pending, wait), 1
                 self.probe_countdown[drafter] = countdown
             return tokens
         return limit
 
-    def observe_draft(self, drafter: str, tokens: int, seconds: float) -> None:
-        """A drafter took `seconds` to draft `tokens` tokens; only model drafters' times are kept."""
+    def probe_interval(self, drafter: str, pending: int, wait: int) -> int:
+        """Steps until the next probe: `wait`, or more when a probe (a sync of the drafter's cache, then one
+        token) would cost more than PROBE_SHARE of the plain steps in between."""
+        probe = self.shared.catch_up.get(drafter, 0.0) + self.shared.seconds.get(drafter, 0.0)
+        return max(wait, math.ceil(probe / (self.PROBE_SHARE * self.costs.cost(max(pending, 1)))))
+
+    def observe_draft(self, drafter: str, tokens: int, seconds: float, catch_up_seconds: float = 0.0) -> None:
+        """A drafter took `seconds` to draft `tokens` tokens after `catch_up_seconds` syncing its cache with the
+        history; only model drafters' times are kept."""
         if drafter not in MODEL_DRAFTERS:
             return
-        per_token = seconds / tokens
-        previous = self.draft_seconds.get(drafter)
-        self.draft_seconds[drafter] = per_token if previous is None else previous + self.LEARN * (per_token - previous)
+        self._learn(self.shared.seconds, drafter, seconds / tokens)
+        if catch_up_seconds > 0:
+            self._learn(self.shared.catch_up, drafter, catch_up_seconds)
+
+    def _learn(self, table: dict[str, float], drafter: str, value: float) -> None:
+        previous = table.get(drafter)
+        table[drafter] = value if previous is None else previous + self.LEARN * (value - previous)
 
     def of(self, drafter: str) -> Acceptance:
-        return self.acceptance.setdefault(drafter, Acceptance())
+        """This session's evidence for a drafter; a model drafter's starts from the engine's."""
+        evidence = self.acceptance.get(drafter)
+        if evidence is None:
+            evidence = replace(self.shared.acceptance.get(drafter, Acceptance()), skipped=0)
+            self.acceptance[drafter] = evidence
+        return evidence
 
     def observe(self, drafter: str, draft: list[int], verified: int, accepted: int, next_token: int) -> None:
         """The target accepted `accepted` of the first `verified` draft tokens, then chose next_token."""
         evidence = self.of(drafter)
         if verified < len(draft) and accepted == verified:  # the target's own token checks one more
-            hit = next_token == draft[verified]
-            evidence.observe(accepted + hit, missed=not hit)
+            hits, missed = accepted + (next_token == draft[verified]), next_token != draft[verified]
         else:
-            evidence.observe(accepted, missed=accepted < verified)
+            hits, missed = accepted, accepted < verified
+        evidence.observe(hits, missed)
+        if drafter in MODEL_DRAFTERS:
+            self.shared.acceptance.setdefault(drafter, Acceptance()).observe(hits, missed)
         if verified == 0:
             evidence.skipped += 1
-        if accepted > 0:  # a model drafter that was right is probed at the short interval again
+        if hits > 0:  # a model drafter that was right is probed at the short interval again
             self.probe_wait.pop(drafter, None)

@@ -122,7 +122,8 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     drafter = session.chain.last  # whose draft it is (None: no draft)
     verify = len(proposal)
     if adaptive is not None and proposal:
-        adaptive.observe_draft(drafter, len(proposal), time.perf_counter() - started - draft.catch_up_seconds)
+        adaptive.observe_draft(drafter, len(proposal), time.perf_counter() - started - draft.catch_up_seconds,
+                               draft.catch_up_seconds)
         verify = yield Propose(adaptive, drafter, len(proposal), len(pending))
     drafted = proposal[:verify]  # [k]
     probs = draft.probs[:verify] if drafted and draft.probs is not None else None

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from .adaptive import Adaptive, CostModel, cached_costs, pinned_costs
+from .adaptive import Adaptive, CostModel, ModelDrafting, cached_costs, pinned_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import decode_steps, drive, next_output, prefill_rows
 from .drafters import SharedDrafting, build_chain
@@ -79,6 +79,7 @@ class Engine:
         check_forward(self.path, self.model)
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
+        self.model_drafting = ModelDrafting()  # what draft models cost here and how they did, across sessions
         if self.shared is None:
             self.shared = SharedDrafting(self.model, self.tokenizer, self.spec)
         self.documents = TaughtDocuments()
@@ -266,7 +267,7 @@ class Engine:
         # depends on them.)
         adaptive = spec.adaptive and (params.temperature == 0 or params.seed is None)
         if adaptive and session.adaptive is None:
-            session.adaptive = Adaptive(self.costs)
+            session.adaptive = Adaptive(self.costs, self.model_drafting)
         steps = decode_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
                              self.context_length, self.eos_token_ids | stop_ids, stats,
                              session.adaptive if adaptive else None, prefill_chunk, constraint)

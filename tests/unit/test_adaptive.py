@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from codespec.adaptive import Acceptance, Adaptive, CostModel, choose, measure_costs
+from codespec.adaptive import ModelDrafting, Acceptance, Adaptive, CostModel, choose, measure_costs
 from codespec.config import SamplingParams, SpecConfig
 from codespec.decode import generate_steps
 from codespec.drafters import Chain
@@ -180,7 +180,7 @@ def test_drafting_cost_shortens_a_model_drafters_draft_and_can_switch_it_off():
     assert limit("draft", 16) == 1  # not timed yet: a one-token draft measures what drafting costs
     adaptive.observe_draft("prompt-lookup", 16, 10.0)  # n-gram drafters are never capped
     assert limit("prompt-lookup", 16) == 16
-    adaptive.observe_draft("draft", 4, 4 * 0.5)
+    adaptive.observe_draft("draft", 4, 4 * 0.004)  # cheap enough to probe at the short interval
     for _ in range(20):
         adaptive.of("draft").observe(0, missed=True)
     lengths = [limit("draft", 16) for _ in range(1000)]
@@ -189,6 +189,25 @@ def test_drafting_cost_shortens_a_model_drafters_draft_and_can_switch_it_off():
     assert set(lengths) == {0, 1} and probes == [16, 48, 112, 240, 496, 752]
     adaptive.observe("draft", [3], verified=1, accepted=1, next_token=4)  # a probe that hits
     assert adaptive.probe_wait == {}  # the short interval again
+
+
+def test_probing_a_switched_off_draft_model_costs_at_most_one_percent_and_new_sessions_start_from_the_engines_evidence():
+    """A probe first syncs the draft model's cache with the history it did not read while it was off: that
+    catch-up is paid once per probe, so probes come rarely enough that they cost at most PROBE_SHARE of the time."""
+    costs, shared = fixed_costs(0.05), ModelDrafting()
+    adaptive = Adaptive(costs, shared)
+    adaptive.observe_draft("draft", 1, 0.004, catch_up_seconds=3.996)  # a probe: 4 s in all, 4 forwards' time
+    for _ in range(20):
+        adaptive.observe("draft", [3], verified=0, accepted=0, next_token=4)  # held back, and wrong
+    limit = adaptive.draft_limit(pending=1)
+    lengths = [limit("draft", 16) for _ in range(1000)]
+    probes = [index + 1 for index, length in enumerate(lengths) if length == 1]
+    assert probes == [400, 800]  # 4 s of probing per 400 steps of 1 s: 1%
+    assert sum(lengths) * 4.0 <= Adaptive.PROBE_SHARE * 1000 * 1.0
+
+    fresh = Adaptive(costs, shared)  # another session of the same engine: off from its first step
+    assert fresh.of("draft").alpha < 0.1 and fresh.draft_limit(pending=1)("draft", 16) == 0
+    assert Adaptive(costs).draft_limit(pending=1)("draft", 16) == 1  # another engine knows nothing yet
 
 
 def test_chain_skips_a_drafter_its_limit_rules_out():
