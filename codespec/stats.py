@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 
 @dataclass
@@ -60,6 +60,10 @@ class GenerationStats:
     forward_seconds: float = 0.0  # time in target forwards (and the accept decision waiting on them)
     seconds: float = 0.0  # wall time of the whole generation
     drafters: list[DrafterStats] = field(default_factory=list)
+
+    def copy(self) -> "GenerationStats":
+        """A snapshot: the engine goes on writing the original on its worker thread."""
+        return replace(self, drafters=[d.copy() for d in self.drafters])
 
     @property
     def acceptance_rate(self) -> float:

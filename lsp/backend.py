@@ -14,12 +14,15 @@ cancelling its task, and either way the backend frees the engine (a cancelled jo
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, field
 
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
 
 from codespec.config import SamplingParams, SpecConfig
 from codespec.errors import CodespecError
+from codespec.request import OutputFilter, Prompt, Request, Requests
+from codespec.scheduler import QueueFull
 
 REQUEST_FAILED = -32803  # LSP's RequestFailed: valid params, but the server could not do it
 
@@ -55,6 +58,7 @@ class InfillRequest:
     max_tokens: int
     stop: tuple[str, ...]
     spec: SpecConfig
+    limits: list = field(default_factory=list)  # output limits (codespec.request.limits): the block's end, the suffix
 
 
 @dataclass
@@ -71,48 +75,62 @@ class RewriteRequest:
 
 
 class LocalBackend:
-    """The model in this process: prompts are tokenised on the engine's thread, jobs run on its scheduler."""
+    """The model in this process, through the request layer (codespec.request): prompts are built on the engine's
+    thread, jobs run on its scheduler, the request's limits end the text there."""
 
     def __init__(self, server):
         self.server = server
 
-    async def infill(self, request: InfillRequest) -> AsyncIterator[Piece]:
-        scheduler = await self.server.ready()
-        prompt = await scheduler.acall(self.server.completer.build_prompt, request)
-        limit = min(request.max_tokens, self.server.context_length() - len(prompt.ids) - 1)
-        if limit < 1:
-            return
-        params = SamplingParams(max_tokens=limit, stop=request.stop)
-        async for piece in run_job(scheduler, prompt.ids, params, request.session, request.spec, healed=prompt.healed):
-            yield piece
+    def infill(self, request: InfillRequest) -> AsyncIterator[Piece]:
+        def build(engine) -> Prompt:
+            fim = self.server.completer.build_prompt(engine, request)
+            return Prompt(fim.ids, fim.truncated, fim.stop_ids, list(request.limits), fim.healed)
 
-    async def rewrite(self, request: RewriteRequest) -> AsyncIterator[Piece]:
+        params = SamplingParams(max_tokens=request.max_tokens, stop=request.stop)
+        return self.run(Request(build, params, request.spec, request.session))
+
+    def rewrite(self, request: RewriteRequest) -> AsyncIterator[Piece]:
         from .commands import FENCE, build_prompt
 
-        scheduler = await self.server.ready()
-        ids, reference = await scheduler.acall(build_prompt, request.command_id, request.values, request.selection,
-                                               request.language)
-        room = self.server.context_length() - len(ids) - 1
-        if room < 1:
-            raise JsonRpcInvalidParams("the selection is too long for the model's context")
-        params = SamplingParams(max_tokens=min(request.max_tokens, room), stop=(FENCE,))
-        async for piece in run_job(scheduler, ids, params, request.session, request.spec, reference):
-            yield piece
+        def build(engine) -> Prompt:
+            ids, reference = build_prompt(engine, request.command_id, request.values, request.selection,
+                                          request.language)
+            return Prompt(ids, reference=reference)
+
+        params = SamplingParams(max_tokens=request.max_tokens, stop=(FENCE,))
+        return self.run(Request(build, params, request.spec, request.session))
+
+    async def run(self, request: Request) -> AsyncIterator[Piece]:
+        """Start the request and stream it; the job is cancelled however the iteration ends (a no-op once
+        finished). The last piece says whether it ended by itself."""
+        requests = Requests(await self.server.ready())
+        try:
+            run = await requests.start(request)
+        except QueueFull as exc:
+            raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
+        except CodespecError as exc:  # a prompt the context cannot hold (a selection too long to rewrite)
+            raise JsonRpcInvalidParams(str(exc)) from None
+        try:
+            async with aclosing(requests.deltas(run)) as deltas:  # closed: the job is cancelled at once
+                async for delta in deltas:
+                    yield Piece(delta, run.stats)
+        except CodespecError as exc:
+            raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
+        yield Piece("", run.stats, final=run.finished)
 
     async def close(self) -> None:
         pass
 
 
-async def run_job(scheduler, ids, params, session, spec, reference=None, healed=None) -> AsyncIterator[Piece]:
-    """Submit a job and stream it; the job is cancelled however the iteration ends (a no-op once finished)."""
-    try:
-        job = scheduler.submit(ids, params, session_id=session, spec=spec, reference=reference, healed=healed)
-    except CodespecError as exc:  # e.g. the queue is full
-        raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
-    try:
-        async for chunk in job:
-            yield Piece(chunk.text, chunk.stats, final=chunk.result is not None)
-    except CodespecError as exc:
-        raise JsonRpcException(code=REQUEST_FAILED, message=str(exc)) from None
-    finally:
-        job.cancel()
+async def limited(pieces: AsyncIterator[Piece], limits) -> AsyncIterator[Piece]:
+    """Pieces through an output filter (a remote server does not know the editor's limits): what a limit cuts never
+    comes out, and the stream ends at the cut (leaving it stops the generation)."""
+    out = OutputFilter(limits)
+    async with aclosing(pieces):
+        async for piece in pieces:
+            text, stop = out.feed(piece.text)
+            if stop or piece.final:
+                yield Piece(text + out.finish(), piece.stats, final=True)
+                return
+            if text:
+                yield Piece(text, piece.stats)

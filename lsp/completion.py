@@ -8,7 +8,8 @@ Typing latency is the whole game, so a request:
    moves when the window overflows, and the chunks from other files are only re-picked when those files or the
    enclosing scope change), so the document's session reuses its KV cache and a keystroke costs the prefill of
    the few tokens that changed;
-4. streams, and stops as soon as the block ends or the text runs into the code after the cursor.
+4. streams through the request layer's output filter (codespec.request), which stops the generation as soon as
+   the block ends or the text runs into the code after the cursor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 from codespec.context import extra as extra_context
 from codespec.context import treesitter
-from codespec.context.fim import SuffixTrimmer, fim_prompt, trim_to_suffix
+from codespec.context.fim import SuffixTrimmer, fim_prompt, prompt_budget
+from codespec.request import BlockLimit
 
 from .backend import REQUEST_FAILED, InfillRequest, Unavailable  # noqa: F401 (REQUEST_FAILED: imported here too)
 from .ahead import AcceptAhead
@@ -145,23 +147,16 @@ class Completer:
         cursor_line, column = document.line_column(offset)
         context = treesitter.analyze(document.text, cursor_line, column, document.tree())
         request = self._request(document, offset, context)
-        trimmer = SuffixTrimmer(request.suffix)
         text, stats = "", None
-        # leaving this block early (a break, a cancelled task) stops the generation: the backend cancels its job or
-        # closes its HTTP stream
+        # the request's limits end the text (and its generation) where the block ends or the text meets the suffix;
+        # leaving this block early (a cancelled task) stops the generation: a cancelled job, a closed HTTP stream
         async with aclosing(self.server.backend.infill(request)) as pieces:
             async for piece in pieces:
                 stats = piece.stats or stats
                 text += piece.text
-                trimmer.feed(piece.text)
                 if not wanted():
                     return None
-                if (context.multiline and treesitter.block_end(text, context.block_indent) < len(text)) \
-                        or trimmer.done:
-                    break  # the rest would be cut anyway: stop paying for it
-        if context.multiline:
-            text = text[: treesitter.block_end(text, context.block_indent)]
-        return trim_to_suffix(text, request.suffix).rstrip(), stats, context
+        return text.rstrip(), stats, context
 
     def _request(self, document: Document, offset: int, context) -> InfillRequest:
         """Snapshot, on the event loop, what the prompt is built from: documents change under us otherwise."""
@@ -182,8 +177,10 @@ class Completer:
         settled = [(d.uri, d.version, d.text) for d in self.server.documents.open.values()
                    if time.monotonic() - d.edited_at >= SETTLED_SECONDS and len(d.text) <= settings.max_file_chars]
         limit = settings.max_tokens if context.multiline else min(settings.max_tokens, SINGLE_LINE_TOKENS)
+        limits = [SuffixTrimmer(suffix)] + ([BlockLimit(context.block_indent)] if context.multiline else [])
         return InfillRequest(session_id(document.uri), document.uri, prefix, suffix, scopes, others, key, chunks,
-                             query, settled, limit, () if context.multiline else ("\n",), spec_config(settings))
+                             query, settled, limit, () if context.multiline else ("\n",), spec_config(settings),
+                             limits)
 
     def _window_start(self, document: Document, offset: int, budget_chars: int) -> int:
         """The line where the prefix window starts: kept from the last request while the window still fits,
@@ -231,7 +228,9 @@ class Completer:
             return len(tokenizer(text, add_special_tokens=False).input_ids)
 
         extra = self.extra_chunks(request, count)
-        budget = engine.context_length - settings.max_tokens - 1
+        # the budget of the longest completion, not this one's: a prompt that shrank for a block would not reuse the
+        # cache of one cut for a line
+        budget = prompt_budget(engine.context_length, settings.max_tokens)
         return fim_prompt(tokenizer, request.prefix, request.suffix, extra, filename=filename_of(request.uri),
                           max_tokens=budget, vocabulary=engine.vocabulary)  # healed at the cursor, as /infill is
 

@@ -46,7 +46,7 @@ from pygls.exceptions import JsonRpcException
 
 from codespec.stats import GenerationStats
 
-from .backend import REQUEST_FAILED, InfillRequest, Piece, RewriteRequest, Unavailable
+from .backend import REQUEST_FAILED, InfillRequest, Piece, RewriteRequest, Unavailable, limited
 
 API_KEY_ENV = "CODESPEC_API_KEY"
 CONNECT_SECONDS = 5.0  # a server that does not accept the connection by then is unreachable
@@ -85,7 +85,12 @@ class RemoteBackend:
         return f"lsp-{self.instance}-{digest}"
 
     # --- the two generations ------------------------------------------------------------------------------
-    async def infill(self, request: InfillRequest) -> AsyncIterator[Piece]:
+    def infill(self, request: InfillRequest) -> AsyncIterator[Piece]:
+        """The server ends the text at n_predict and the stop strings; the editor's limits (the block's end, the
+        suffix) are applied here, to the stream, by the same output filter the server uses."""
+        return limited(self._infill(request), request.limits)
+
+    async def _infill(self, request: InfillRequest) -> AsyncIterator[Piece]:
         from .completion import CHARS_PER_TOKEN, filename_of
 
         # other files' chunks sized by characters: the server's tokenizer is not here

@@ -36,6 +36,7 @@ from ..healing import heal
 REPO_NAME = "myproject"  # what llama.cpp writes after <repo_name>; models only see it as a name
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # between extra chunks when the model has no file separator
 CURRENT_FILE = "filename"  # llama.cpp's name for the current file when the client sends none
+UNLIMITED_ROOM = 256  # context kept free for the text when a request sets no limit (generation ends at the context)
 
 # family: (prefix, suffix, middle), repo-name spellings, file-separator spellings, tokens that end a middle
 FAMILIES = {
@@ -171,6 +172,15 @@ def fim_prompt(tokenizer, prefix: str, suffix: str, extra=(), filename: str | No
     return FimPrompt(ids, fmt, len(chunks), truncated, stops, healed)
 
 
+def prompt_budget(context_length: int, max_tokens: int, limited: bool = True) -> int:
+    """The tokens a prompt may take (fim_prompt's max_tokens), for every frontend: the context less room for the
+    output (`max_tokens`) and one token, but at least half the context, so a long output limit never squeezes the
+    prompt to nothing (the output then ends where the context does). limited=False: the request set no limit (its
+    max_tokens is the rest of the context), so only a little room is kept, UNLIMITED_ROOM."""
+    room = max_tokens if limited else min(max_tokens, UNLIMITED_ROOM)
+    return max(context_length - room - 1, context_length // 2)
+
+
 def trim_to_suffix(completion: str, suffix: str) -> str:
     """Cut a prefix-only completion where its text runs into the suffix (the code after the cursor).
 
@@ -209,16 +219,13 @@ def _suffix_cut(completion: str, suffix: str, final: bool) -> int | None:
 
 
 class SuffixTrimmer:
-    """trim_to_suffix for a stream. `cut(text)` is where the text ends (None: not yet known) and `safe(text)` how
-    much of it is settled; everything up to `safe` is a prefix of trim_to_suffix(all the text), so nothing sent is
-    ever taken back. `feed`/`finish` wrap both for a plain stream of text pieces."""
+    """trim_to_suffix for a stream, as an output limit (request/limits.py): `cut(text)` is where the text ends (None:
+    not yet known) and `safe(text)` how much of it is settled; everything up to `safe` is a prefix of
+    trim_to_suffix(all the text), so nothing sent is ever taken back."""
 
     def __init__(self, suffix: str):
         self.suffix = suffix
         self.mid_line = bool(suffix.split("\n")[0].strip())  # the cursor's line goes on after the cursor
-        self.text = ""
-        self.sent = 0
-        self.done = False
 
     def cut(self, text: str, final: bool = False) -> int | None:
         return _suffix_cut(text, self.suffix, final)
@@ -231,24 +238,3 @@ class SuffixTrimmer:
         while safe > 0 and text[safe - 1] in "\r\n":
             safe -= 1
         return safe
-
-    def feed(self, delta: str) -> str:
-        if self.done:
-            return ""
-        self.text += delta
-        cut = self.cut(self.text)
-        if cut is not None:
-            self.done = True
-            return self._take(cut)
-        return self._take(self.safe(self.text))
-
-    def finish(self) -> str:
-        """The rest of the trimmed text, once generation has ended."""
-        cut = self.cut(self.text, final=True)
-        self.done = True
-        return self._take(len(self.text) if cut is None else cut)
-
-    def _take(self, end: int) -> str:
-        end = max(end, self.sent)
-        delta, self.sent = self.text[self.sent : end], end
-        return delta

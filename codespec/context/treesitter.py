@@ -4,7 +4,8 @@
   line that opens a block (`if x:`, `{`) means a block;
 - **the enclosing function and class**, with their header lines, so the prompt can name them when the
   prefix window starts below them;
-- **where a block ends**: the first completion line indented less than the block's body.
+- **where a block ends**: the indentation of the block's body (CursorContext.block_indent), which the request
+  layer's output limit (codespec.request.limits.BlockLimit) stops at.
 
 Python's grammar is a dependency; other languages are used when their grammar wheel is installed
 (`pip install tree-sitter-javascript`, ...). Without a grammar everything still works from indentation
@@ -247,22 +248,3 @@ def _scope(node) -> Scope:
         header = header.split("\n", 1)[0]
     return Scope(SCOPES[node.type], name.text.decode("utf-8", "replace") if name is not None else "",
                  node.start_point[0], header)
-
-
-def block_end(completion: str, block_indent: int) -> int:
-    """Where a block completion stops: before its first later line indented less than the block (or
-    before a second blank line in a row at the top level). Returns a character index into `completion`."""
-    offset = 0
-    blank_run = 0
-    for index, text in enumerate(completion.split("\n")):
-        if index > 0:
-            if not text.strip():
-                blank_run += 1
-                if blank_run >= 2 and block_indent == 0:
-                    return offset - 1
-            else:
-                if indent_of(text) < block_indent:
-                    return offset - 1  # before the newline that starts the dedented line
-                blank_run = 0
-        offset += len(text) + 1
-    return len(completion)

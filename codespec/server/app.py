@@ -1,6 +1,7 @@
 """The HTTP server: llama.cpp-compatible /infill, OpenAI-compatible completions and chat, health, models, metrics,
-slots. Routes stay thin: request bodies are validated by schemas.py, prompts and sessions are generation.py's,
-text limits postprocess.py's, FIM prompts codespec.context.fim's; one scheduler owns the engine."""
+slots. Routes stay thin: request bodies are validated by schemas.py, slots and llama.cpp's fields are generation.py's,
+prompt -> session -> job and text limits the request layer's (codespec.request), FIM prompts codespec.context.fim's;
+one scheduler owns the engine."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from ..config import SamplingParams, ServerConfig
-from ..context.fim import SuffixTrimmer, fim_prompt
+from ..context.fim import SuffixTrimmer, fim_prompt, prompt_budget
 from ..errors import CodespecError
 from ..scheduler import QueueFull, Scheduler
-from .generation import UNLIMITED_ROOM, Generations, Plan, Prompt, Run
+from ..request import LLAMA_CPP, BlockLimit
+from .generation import Generation, Generations, Plan, Prompt
 from .metrics import Metrics
 from .middleware import ApiKey, BrowserGuard, JsonByDefault, ReadTimeout, RequestMetrics, SizeLimit
-from .postprocess import IndentLimit
 from .schemas import (ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, ErrorResponse, Health,
                       InfillRequest, InfillResponse, LlamaCompletionRequest, ModelCard, ModelList, OpenAIOptions,
                       SelectedFields, Slot)
@@ -180,7 +181,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
             return JSONResponse(select_fields(body, fields))
         return model.model_validate(body) if model is not None else body
 
-    async def finish(request: Request, run: Run) -> Response | None:
+    async def finish(request: Request, run: Generation) -> Response | None:
         """Collect a run while watching the client; None when it completed, a 499 when the client left."""
         collecting = asyncio.ensure_future(generations.collect(run))
         watching = asyncio.ensure_future(disconnected(request))
@@ -196,19 +197,19 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
             pass
         return Response(status_code=499)
 
-    def infill_body(run: Run) -> dict:
+    def infill_body(run: Generation) -> dict:
         return {"content": run.text, "stop": True, "stop_type": run.stop_type, "stopping_word": run.stopping_word,
                 "tokens_predicted": run.stats.generated_tokens, "tokens_evaluated": len(run.prompt.ids),
                 "tokens_cached": run.cached, "truncated": run.prompt.truncated, "model": model_name,
                 "session": None if run.temporary else run.session_name, "timings": run.timings(),
                 "speculation": run.speculation()}
 
-    def usage(run: Run) -> dict:
+    def usage(run: Generation) -> dict:
         prompt, completion = len(run.prompt.ids), run.stats.generated_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": run.cached}}
 
-    async def stream_events(run: Run, piece, last, done: bool):
+    async def stream_events(run: Generation, piece, last, done: bool):
         """SSE: one event per text piece, then the last ones; `data: [DONE]` after them for OpenAI routes. The status
         line is sent already when something fails: the error is the last event (then [DONE]), not a cut stream."""
         try:
@@ -236,12 +237,11 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         warm_only = body.requested_tokens() == 0
         params, spec = generations.settings(body)
         extra = [(chunk.filename, chunk.text) for chunk in body.input_extra]
-        # the context the text may need: what was asked for, else a little (generation ends where the context does)
-        room = 0 if warm_only else params.max_tokens if body.requested_tokens() > 0 else min(params.max_tokens,
-                                                                                               UNLIMITED_ROOM)
 
         def build(engine) -> Prompt:
-            budget = max(engine.context_length - room - 1, engine.context_length // 2)
+            # the context the text may need: what was asked for, else a little (generation ends at the context)
+            budget = prompt_budget(engine.context_length, 0 if warm_only else params.max_tokens,
+                                   limited=body.requested_tokens() > 0)
             # healed: a cursor on an empty line or inside a name starts the suggestion where a person expects
             fim = fim_prompt(engine.tokenizer, body.input_prefix + body.prompt, body.input_suffix, extra,
                              body.filename, max_tokens=budget, vocabulary=engine.vocabulary)
@@ -249,7 +249,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
             if fim.format is None and body.input_suffix.strip():
                 limits.append(SuffixTrimmer(body.input_suffix))  # no FIM tokens: stop where it meets the suffix
             if body.n_indent:
-                limits.append(IndentLimit(body.n_indent))
+                limits.append(BlockLimit(body.n_indent, LLAMA_CPP))
             return Prompt(fim.ids, fim.truncated, fim.stop_ids, limits, fim.healed)
 
         namespace = tenant(request)
@@ -271,7 +271,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         params, spec = generations.settings(body)
 
         def build(engine) -> Prompt:
-            limits = [IndentLimit(body.n_indent)] if body.n_indent else []
+            limits = [BlockLimit(body.n_indent, LLAMA_CPP)] if body.n_indent else []
             return Prompt(prompt_ids(engine, body.prompt), limits=limits)
 
         namespace = tenant(request)

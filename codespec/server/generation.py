@@ -1,5 +1,6 @@
-"""One generation for a route: prompt ids built on the engine's worker, a session picked, a job submitted, its text
-filtered as it streams, and its timings and speculation statistics afterwards.
+"""One generation for a route, on the request layer (codespec.request: prompt -> session -> job, output limits,
+statistics): what is HTTP's is here, the session a request runs in (slots, warm-ups giving way), its settings from
+the body, its metrics, and llama.cpp's and OpenAI's names for how it went (timings, stop type, finish reason).
 
 Sessions. A request may name one (`session`, or llama.cpp's `id_slot` N, which is session "slot-N"). One that names
 none gets, like llama.cpp's slot selection, the idle one of `slots` sessions whose history shares the longest
@@ -14,31 +15,17 @@ another key's prompt.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from contextlib import aclosing
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..config import SamplingParams, ServerConfig, SpecConfig
-from ..decode import next_output
-from ..engine import KEEP
 from ..errors import CodespecError
-from ..forward import Rows
-from ..stats import GenerationStats
-from .postprocess import OutputFilter
+from ..request import Prompt, Request, Requests, Run  # noqa: F401 (Prompt: the routes' builders return it)
 
 MIN_REUSE = 8  # shared prompt tokens that make a slot worth reusing over an empty one
-UNLIMITED_ROOM = 256  # context kept free for the text when a request sets no limit (/infill cuts its prompt to fit)
-
-
-@dataclass
-class Prompt:
-    ids: list[int]
-    truncated: bool = False  # context was cut to fit (infill)
-    stop_ids: frozenset[int] = frozenset()
-    limits: list = field(default_factory=list)  # postprocess limits (cut/safe), e.g. the FIM fallback's suffix
-    healed: str | None = None  # token healing: a token string the output spells first (not sent: the prompt had it)
 
 
 @dataclass
@@ -57,52 +44,61 @@ class Plan:
 
 
 @dataclass
-class Run:
+class Generation:
+    """A route's run, in llama.cpp's and OpenAI's terms."""
+
     plan: Plan
-    prompt: Prompt
-    session_id: str
-    temporary: bool
+    run: Run
     arrived: float
-    job: object = None
-    cached: int = 0  # prompt tokens reused from the session
-    steps_started: float | None = None
-    prefill_done: float | None = None
-    first_token_at: float | None = None
-    result: object = None
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    stopping_word: str = ""
-    filter: OutputFilter | None = None
-    limited: bool = False  # a limit (suffix, indentation, time) ended the text
-    cancelled: bool = False
 
     @property
     def text(self) -> str:
-        return self.filter.final_text
+        return self.run.text
+
+    @property
+    def stats(self):
+        return self.run.stats
+
+    @property
+    def prompt(self) -> Prompt:
+        return self.run.prompt
+
+    @property
+    def cached(self) -> int:
+        return self.run.cached
+
+    @property
+    def temporary(self) -> bool:
+        return self.run.temporary
+
+    @property
+    def stopping_word(self) -> str:
+        return self.run.stop_word
 
     @property
     def session_name(self) -> str:
         """The session's name as the client knows it (without the key's namespace)."""
-        return self.session_id.removeprefix(self.plan.tenant)
+        return self.run.session_id.removeprefix(self.plan.tenant)
 
     @property
     def stop_type(self) -> str:
-        if self.limited:
+        if self.run.limited:
             return "limit"
-        if self.result is None:
+        if self.run.result is None:
             return "none"
-        return {"eos": "eos", "stop": "word", "length": "limit"}[self.result.finish_reason]
+        return {"eos": "eos", "stop": "word", "length": "limit"}[self.run.result.finish_reason]
 
     @property
     def finish_reason(self) -> str:
         """OpenAI's: "length" when max_tokens or the context ended it, else "stop"."""
-        return "length" if self.result is not None and self.result.finish_reason == "length" else "stop"
+        result = self.run.result
+        return "length" if result is not None and result.finish_reason == "length" else "stop"
 
     def timings(self) -> dict:
         stats = self.stats
-        warm_s = (self.prefill_done or 0) - (self.steps_started or 0)
-        prompt_ms = (max(warm_s, 0.0) + stats.prefill_seconds) * 1e3
+        prompt_ms = stats.prefill_seconds * 1e3  # the chunked prefill included: the time to the first token
         predicted_ms = max(stats.seconds - stats.prefill_seconds, 0.0) * 1e3
-        prompt_n, predicted_n = len(self.prompt.ids) - self.cached, stats.generated_tokens
+        prompt_n, predicted_n = stats.prompt_tokens - stats.cached_tokens, stats.generated_tokens
         return {"prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
                 "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
                 "prompt_per_second": round(1e3 * prompt_n / prompt_ms, 3) if prompt_ms else 0.0,
@@ -121,6 +117,7 @@ class Generations:
     def __init__(self, scheduler, metrics, config: ServerConfig, params: SamplingParams, spec: SpecConfig):
         self.scheduler, self.metrics, self.config = scheduler, metrics, config
         self.params, self.spec = params, spec
+        self.requests = Requests(scheduler, config.prefill_chunk)
         self.warmups: dict[str, object] = {}  # session id -> its warm-up's job (n_predict 0), until a newer request
 
     def token_limit(self, requested: int) -> int:
@@ -160,45 +157,39 @@ class Generations:
             return tenant + body.session
         return f"{tenant}slot-{body.id_slot}" if body.id_slot >= 0 else None
 
-    async def start(self, plan: Plan) -> Run:
+    async def start(self, plan: Plan) -> Generation:
         """Build the prompt, pick the session and submit, all on the worker (so no two requests pick the same idle
         slot). Raises CodespecError (400) for a bad prompt and QueueFull (429)."""
         return await self.scheduler.acall(self._start, plan, time.perf_counter())
 
-    def _start(self, engine, plan: Plan, arrived: float) -> Run:
-        prompt = plan.build(engine)
-        if len(prompt.ids) >= engine.context_length:
-            raise CodespecError(f"the prompt is {len(prompt.ids)} tokens but the model's context is "
-                                f"{engine.context_length}")
-        if not prompt.ids and not plan.warm_only:
-            raise CodespecError("the prompt is empty")
+    def _start(self, engine, plan: Plan, arrived: float) -> Generation:
         self.warmups = {name: job for name, job in self.warmups.items() if not job.done}
-        session_id, temporary = self._pick(engine, plan, prompt.ids)
-        run = Run(plan, prompt, session_id, temporary, arrived)
-        run.filter = OutputFilter(prompt.limits, plan.t_max_predict_ms)
-        run.job = self.scheduler.submit_steps(lambda engine: self._steps(engine, run), session_id=session_id)
-        superseded = self.warmups.pop(session_id, None)  # (a request refused with 429 above supersedes nothing)
+        request = Request(plan.build, plan.params, plan.spec, lambda engine, ids: self._pick(engine, plan, ids),
+                          plan.warm_only, plan.t_max_predict_ms)
+        run = self.requests.submit(engine, request)
+        superseded = self.warmups.pop(run.session_id, None)  # (a request refused with 429 supersedes nothing)
         if superseded is not None:
             # A newer request on this session: its warm-up ends at its next chunk, and what it computed stays in
             # the cache. The newer prompt reuses that (llama.vim's instruction shares its warm-up's start) instead
             # of waiting for the rest of a prefill that it would throw away or do itself anyway.
             superseded.cancel()
-        if plan.warm_only and not temporary:
-            self.warmups[session_id] = run.job
-        return run
+        if plan.warm_only and not run.temporary:
+            self.warmups[run.session_id] = run.job
+        return Generation(plan, run, arrived)
 
-    def _pick(self, engine, plan: Plan, ids: list[int]) -> tuple[str, bool]:
+    def _pick(self, engine, plan: Plan, ids: list[int]) -> str | None:
+        """The session a request runs in; None: a temporary one."""
         if not plan.cache_prompt:
-            return f"tmp-{uuid.uuid4().hex}", True
+            return None
         if plan.session is not None:
-            return plan.session, False
+            return plan.session
         # a slot that only runs a warm-up is free: the warm-up gives way (_start), and its cache may be this prompt's
         warming = {name for name, job in self.warmups.items() if job.started_at is not None}
         busy = self.scheduler.busy_sessions() - warming
         slots = [f"{plan.tenant}slot-{i}" for i in range(self.config.slots)]
         idle = [name for name in slots if name not in busy]
         if not idle:
-            return f"tmp-{uuid.uuid4().hex}", True
+            return None
         held = {info.id: (rank, info) for rank, info in enumerate(engine.sessions_info(plan.tenant))}  # LRU first
 
         def score(name):
@@ -210,76 +201,31 @@ class Generations:
             shared = common_prefix(info.history, ids)
             return (shared if shared >= MIN_REUSE else 0, -rank - 1)
 
-        return max(idle, key=score), False
+        return max(idle, key=score)
 
-    def _steps(self, engine, run: Run):
-        """The job: prefill in chunks, then generate. Each chunk and each step is a forward request that the
-        scheduler runs in one batch with the other jobs' (decode.py)."""
-        plan = run.plan
-        run.steps_started = time.perf_counter()
+    async def deltas(self, generation: Generation) -> AsyncIterator[str]:
+        """The text to send, piece by piece (Requests.deltas), and the request's metrics once it ends."""
         try:
-            if run.prompt.ids:
-                warm = engine.prefill_steps(run.prompt.ids, run.session_id, plan.spec,
-                                            chunk_tokens=self.config.prefill_chunk)
-                run.cached = next(warm)
-                for item in warm:
-                    if isinstance(item, Rows):
-                        yield item  # no logits come back for a prefill: its keys and values are what it is for
-            run.prefill_done = time.perf_counter()
-            if plan.warm_only:
-                return
-            steps = engine.stream_steps(run.prompt.ids, plan.params, session_id=run.session_id, spec=plan.spec,
-                                        stop_ids=run.prompt.stop_ids, healed=run.prompt.healed)
-            while (chunk := (yield from next_output(steps))) is not None:
-                if chunk.result is not None and chunk.result.finish_reason == "stop":
-                    said = engine.tokenizer.decode(chunk.result.tokens, skip_special_tokens=True)
-                    run.stopping_word = next((s for s in plan.params.stop if s and s in said), "")
-                yield chunk
+            async with aclosing(self.requests.deltas(generation.run)) as deltas:  # closed: the job is cancelled
+                async for delta in deltas:
+                    yield delta
         finally:
-            if run.temporary:
-                engine.drop(run.session_id, pool=KEEP)  # a one-off request's text still teaches the pool
+            self._observe(generation)
 
-    async def deltas(self, run: Run) -> AsyncIterator[str]:
-        """The text to send, piece by piece; afterwards run holds the result, statistics and stop reason. Stops the
-        job early when a limit ends the text; cancels it when the consumer goes away."""
-        items = run.job.__aiter__()
-        try:
-            async for item in items:
-                if run.first_token_at is None:
-                    run.first_token_at = time.perf_counter()
-                    self.metrics.first_token.labels(run.plan.route).observe(run.first_token_at - run.arrived)
-                run.stats = item.stats or run.stats
-                run.result = item.result or run.result
-                out, stop = run.filter.feed(item.text)
-                if out:
-                    yield out
-                if stop:
-                    run.limited = True
-                    break
-            rest = run.filter.finish()
-            run.limited = run.limited or run.filter.stopped
-            if rest:
-                yield rest
-        finally:
-            await items.aclose()
-            if not run.job.done:
-                run.job.cancel()
-                run.cancelled = True
-            self._observe(run)
-
-    async def collect(self, run: Run) -> Run:
-        async for _ in self.deltas(run):
+    async def collect(self, generation: Generation) -> Generation:
+        async for _ in self.deltas(generation):
             pass
-        return run
+        return generation
 
-    def _observe(self, run: Run) -> None:
+    def _observe(self, generation: Generation) -> None:
+        run = generation.run
+        if run.first_item_at is not None:
+            self.metrics.first_token.labels(generation.plan.route).observe(run.first_item_at - generation.arrived)
         if run.job.started_at is not None:
             self.metrics.queue_wait.observe(run.job.started_at - run.job.submitted_at)
         if run.cancelled and not run.limited:
             self.metrics.cancelled.inc()
-        stats = run.result.stats if run.result is not None else run.stats
-        stats.prompt_tokens, stats.cached_tokens = len(run.prompt.ids), run.cached
-        self.metrics.observe_generation(run.plan.route, stats, stats.drafters)
+        self.metrics.observe_generation(generation.plan.route, run.stats, run.stats.drafters)
 
 
 def common_prefix(history: np.ndarray, ids: list[int]) -> int:

@@ -44,7 +44,7 @@ def ring_chunk(path: str, first_line: int) -> dict:
     return {"text": "\n".join(chunk) + "\n", "time": [1763900000 + first_line, 250000], "filename": path}
 
 
-RING = [ring_chunk("codespec/server/postprocess.py", 10), ring_chunk("codespec/context/fim.py", 20),
+RING = [ring_chunk("codespec/request/limits.py", 10), ring_chunk("codespec/context/fim.py", 20),
         ring_chunk("codespec/server/generation.py", 40), ring_chunk("codespec/config.py", 30)]
 
 
@@ -127,7 +127,7 @@ def test_fim_ring_warm_up_then_completions(server):
     assert warmed["tokens"] > 400 and warmed["cached"] == warmed["tokens"] - 1
 
     # the buffer: a file with a new function's first line typed at its end, the cursor after it
-    lines = (ROOT / "codespec/server/postprocess.py").read_text().splitlines() + [
+    lines = (ROOT / "codespec/request/limits.py").read_text().splitlines() + [
         "", "", "def first_line(text: str) -> str:"]
     pos_y, pos_x = len(lines), len(lines[-1])
     prefix, middle, suffix, indent = fim_local(lines, pos_y, pos_x)
@@ -151,8 +151,8 @@ def test_instruction_warm_up_generates_nothing_and_the_instruction_runs_to_its_e
     generation (26-45 s here) that the instruction and the next /infill warm-up waited for, and the instruction was
     cut at 256 tokens. Now the warm-up only fills the slot's cache and the instruction, which sets no length limit,
     runs to the end of its text, reusing that cache."""
-    lines = (ROOT / "codespec/server/postprocess.py").read_text().splitlines()
-    l0 = next(i for i, line in enumerate(lines, 1) if line.startswith("class IndentLimit"))
+    lines = (ROOT / "codespec/request/limits.py").read_text().splitlines()
+    l0 = next(i for i, line in enumerate(lines, 1) if line.startswith("class BlockLimit"))
     l1 = l0 + 19
     warm_messages = instruction_messages(lines, l0, l1, RING[:2], "")
     before = generated_tokens(server)
@@ -200,7 +200,7 @@ def test_instruction_warm_up_generates_nothing_and_the_instruction_runs_to_its_e
 def test_a_fim_warm_up_after_an_instruction_does_not_wait_for_a_generation(server):
     """The next ring update on slot 0 (the slot the first instruction used) waited 32 s behind the instruction's
     warm-up generation; now both warm-ups are prefills only, and the later one ends the earlier one."""
-    lines = (ROOT / "codespec/server/postprocess.py").read_text().splitlines()
+    lines = (ROOT / "codespec/request/limits.py").read_text().splitlines()
     before = generated_tokens(server)
     inst_warm = {"id_slot": 0, "messages": instruction_messages(lines, 20, 39, RING[2:], ""), "samplers": [],
                  "n_predict": 0, "stream": False, "cache_prompt": True, "response_fields": [""], "model": ""}

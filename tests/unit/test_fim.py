@@ -5,6 +5,7 @@ import pytest
 from tokenizers import processors
 
 from codespec.context.fim import SuffixTrimmer, detect_fim, fim_prompt, trim_to_suffix
+from codespec.request.limits import OutputFilter
 from tests.tiny import tiny_tokenizer
 
 FAMILY_TOKENS = {
@@ -133,12 +134,13 @@ def test_trim_to_suffix(completion, suffix, trimmed):
 @pytest.mark.parametrize("completion, suffix, trimmed", TRIM_CASES)
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_streaming_trim_sends_only_what_stays(completion, suffix, trimmed, piece):
-    trimmer = SuffixTrimmer(suffix)
+    out = OutputFilter([SuffixTrimmer(suffix)])
     sent = ""
     for start in range(0, len(completion), piece):
-        sent += trimmer.feed(completion[start : start + piece])
+        delta, stop = out.feed(completion[start : start + piece])
+        sent += delta
         assert trimmed.startswith(sent), "sent text was taken back"
-        if trimmer.done:
+        if stop:
             break
-    sent += trimmer.finish()
+    sent += out.finish()
     assert sent == trimmed

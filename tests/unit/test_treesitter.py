@@ -1,7 +1,7 @@
 """Tree-sitter around the cursor: one line or a block, the enclosing scopes, where a block ends."""
 
 from codespec.context import treesitter
-from codespec.context.treesitter import Syntax, analyze, block_end, grammar
+from codespec.context.treesitter import Syntax, analyze, grammar
 
 SOURCE = '''import os
 
@@ -93,18 +93,6 @@ def test_a_language_without_a_grammar_degrades_to_indentation():
     source = "PROCEDURE DIVISION.\n    \n"
     context = analyze(source, 1, 4, None)
     assert context.multiline and context.block_indent == 4
-
-
-def test_block_end_stops_at_the_first_dedented_line():
-    completion = "x = 1\n        y = 2\n\n        return y\n    def other(self):\n        pass"
-    cut = block_end(completion, 8)
-    assert completion[:cut] == "x = 1\n        y = 2\n\n        return y"
-
-
-def test_block_end_at_top_level_stops_at_two_blank_lines():
-    completion = "def f():\n    return 1\n\n\ndef g():\n    pass"
-    assert completion[: block_end(completion, 0)].rstrip() == "def f():\n    return 1"
-    assert block_end("a\nb", 0) == 3
 
 
 def test_incremental_reparse_matches_a_fresh_parse():
