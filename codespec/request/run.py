@@ -93,8 +93,9 @@ class Requests:
         """Submit on the worker. Raises CodespecError for a bad prompt and scheduler.QueueFull."""
         return await self.scheduler.acall(self.submit, request)
 
-    def submit(self, engine, request: Request) -> Run:
-        """On the worker: build the prompt, check it, name the session, queue the job."""
+    def submit(self, engine, request: Request, new_run: Callable = None) -> Run:
+        """On the worker: build the prompt, check it, name the session, queue the job. new_run: a frontend's Run
+        subclass, given Run's fields."""
         prompt = request.build(engine)
         if len(prompt.ids) >= engine.context_length:
             raise CodespecError(f"the prompt is {len(prompt.ids)} tokens but the model's context is "
@@ -103,7 +104,8 @@ class Requests:
             raise CodespecError("the prompt is empty")
         session = request.session(engine, prompt.ids) if callable(request.session) else request.session
         limits = prompt.limits + ([TimeLimit(request.t_max_predict_ms)] if request.t_max_predict_ms else [])
-        run = Run(request, prompt, session or f"tmp-{uuid.uuid4().hex}", session is None, OutputFilter(limits))
+        run = (new_run or Run)(request, prompt, session or f"tmp-{uuid.uuid4().hex}", session is None,
+                               OutputFilter(limits))
         run.job = self.scheduler.submit_steps(lambda engine: self._steps(engine, run), session_id=run.session_id)
         return run
 

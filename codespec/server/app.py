@@ -24,9 +24,9 @@ from .. import __version__
 from ..config import SamplingParams, ServerConfig
 from ..context.fim import SuffixTrimmer, fim_prompt, prompt_budget
 from ..errors import CodespecError
+from ..request import LLAMA_CPP, BlockLimit, Prompt
 from ..scheduler import QueueFull, Scheduler
-from ..request import LLAMA_CPP, BlockLimit
-from .generation import Generation, Generations, Plan, Prompt
+from .generation import Generation, Generations, Plan
 from .metrics import Metrics
 from .middleware import ApiKey, BrowserGuard, JsonByDefault, ReadTimeout, RequestMetrics, SizeLimit
 from .schemas import (ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, ErrorResponse, Health,
@@ -198,7 +198,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         return Response(status_code=499)
 
     def infill_body(run: Generation) -> dict:
-        return {"content": run.text, "stop": True, "stop_type": run.stop_type, "stopping_word": run.stopping_word,
+        return {"content": run.text, "stop": True, "stop_type": run.stop_type, "stopping_word": run.stop_word,
                 "tokens_predicted": run.stats.generated_tokens, "tokens_evaluated": len(run.prompt.ids),
                 "tokens_cached": run.cached, "truncated": run.prompt.truncated, "model": model_name,
                 "session": None if run.temporary else run.session_name, "timings": run.timings(),

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import SamplingParams, ServerConfig, SpecConfig
 from ..errors import CodespecError
-from ..request import Prompt, Request, Requests, Run  # noqa: F401 (Prompt: the routes' builders return it)
+from ..request import Request, Requests, Run
 
 MIN_REUSE = 8  # shared prompt tokens that make a slot worth reusing over an empty one
 
@@ -44,55 +44,29 @@ class Plan:
 
 
 @dataclass
-class Generation:
-    """A route's run, in llama.cpp's and OpenAI's terms."""
+class Generation(Run):
+    """A route's run (the request layer's), in llama.cpp's and OpenAI's terms."""
 
-    plan: Plan
-    run: Run
-    arrived: float
-
-    @property
-    def text(self) -> str:
-        return self.run.text
-
-    @property
-    def stats(self):
-        return self.run.stats
-
-    @property
-    def prompt(self) -> Prompt:
-        return self.run.prompt
-
-    @property
-    def cached(self) -> int:
-        return self.run.cached
-
-    @property
-    def temporary(self) -> bool:
-        return self.run.temporary
-
-    @property
-    def stopping_word(self) -> str:
-        return self.run.stop_word
+    plan: Plan | None = None
+    arrived: float = 0.0  # when the request reached the route
 
     @property
     def session_name(self) -> str:
         """The session's name as the client knows it (without the key's namespace)."""
-        return self.run.session_id.removeprefix(self.plan.tenant)
+        return self.session_id.removeprefix(self.plan.tenant)
 
     @property
     def stop_type(self) -> str:
-        if self.run.limited:
+        if self.limited:
             return "limit"
-        if self.run.result is None:
+        if self.result is None:
             return "none"
-        return {"eos": "eos", "stop": "word", "length": "limit"}[self.run.result.finish_reason]
+        return {"eos": "eos", "stop": "word", "length": "limit"}[self.result.finish_reason]
 
     @property
     def finish_reason(self) -> str:
         """OpenAI's: "length" when max_tokens or the context ended it, else "stop"."""
-        result = self.run.result
-        return "length" if result is not None and result.finish_reason == "length" else "stop"
+        return "length" if self.result is not None and self.result.finish_reason == "length" else "stop"
 
     def timings(self) -> dict:
         stats = self.stats
@@ -166,7 +140,7 @@ class Generations:
         self.warmups = {name: job for name, job in self.warmups.items() if not job.done}
         request = Request(plan.build, plan.params, plan.spec, lambda engine, ids: self._pick(engine, plan, ids),
                           plan.warm_only, plan.t_max_predict_ms)
-        run = self.requests.submit(engine, request)
+        run = self.requests.submit(engine, request, lambda *fields: Generation(*fields, plan=plan, arrived=arrived))
         superseded = self.warmups.pop(run.session_id, None)  # (a request refused with 429 supersedes nothing)
         if superseded is not None:
             # A newer request on this session: its warm-up ends at its next chunk, and what it computed stays in
@@ -175,7 +149,7 @@ class Generations:
             superseded.cancel()
         if plan.warm_only and not run.temporary:
             self.warmups[run.session_id] = run.job
-        return Generation(plan, run, arrived)
+        return run
 
     def _pick(self, engine, plan: Plan, ids: list[int]) -> str | None:
         """The session a request runs in; None: a temporary one."""
@@ -203,29 +177,28 @@ class Generations:
 
         return max(idle, key=score)
 
-    async def deltas(self, generation: Generation) -> AsyncIterator[str]:
+    async def deltas(self, run: Generation) -> AsyncIterator[str]:
         """The text to send, piece by piece (Requests.deltas), and the request's metrics once it ends."""
         try:
-            async with aclosing(self.requests.deltas(generation.run)) as deltas:  # closed: the job is cancelled
+            async with aclosing(self.requests.deltas(run)) as deltas:  # closed: the job is cancelled at once
                 async for delta in deltas:
                     yield delta
         finally:
-            self._observe(generation)
+            self._observe(run)
 
-    async def collect(self, generation: Generation) -> Generation:
-        async for _ in self.deltas(generation):
+    async def collect(self, run: Generation) -> Generation:
+        async for _ in self.deltas(run):
             pass
-        return generation
+        return run
 
-    def _observe(self, generation: Generation) -> None:
-        run = generation.run
+    def _observe(self, run: Generation) -> None:
         if run.first_item_at is not None:
-            self.metrics.first_token.labels(generation.plan.route).observe(run.first_item_at - generation.arrived)
+            self.metrics.first_token.labels(run.plan.route).observe(run.first_item_at - run.arrived)
         if run.job.started_at is not None:
             self.metrics.queue_wait.observe(run.job.started_at - run.job.submitted_at)
         if run.cancelled and not run.limited:
             self.metrics.cancelled.inc()
-        self.metrics.observe_generation(generation.plan.route, run.stats, run.stats.drafters)
+        self.metrics.observe_generation(run.plan.route, run.stats, run.stats.drafters)
 
 
 def common_prefix(history: np.ndarray, ids: list[int]) -> int:

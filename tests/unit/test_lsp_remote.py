@@ -9,6 +9,8 @@ import pytest
 from pygls.exceptions import JsonRpcException
 
 from codespec.cli import build_parser
+from codespec.context.fim import SuffixTrimmer
+from codespec.request import BlockLimit
 from lsp.backend import InfillRequest, RewriteRequest, Unavailable
 from lsp.remote import RemoteBackend, sse_data
 from lsp.settings import spec_config
@@ -73,6 +75,21 @@ async def test_a_completion_sends_the_prompt_parts_and_streams_the_pieces():
     assert body["input_extra"] == [{"filename": "other.py", "text": "def helper():\n    pass\n"}]
     assert body["filename"] == "a.py" and body["n_predict"] == 16 and body["stop"] == ["\n"] and body["stream"]
     assert body["session"] == request.headers["x-session-id"] == remote.session_name("lsp:file:///w/a.py")
+
+
+@pytest.mark.asyncio
+async def test_the_editor_s_limits_end_a_remote_completion_as_they_end_a_local_one():
+    """The server knows n_predict and the stop strings; the block's end and the suffix are the language server's,
+    applied to the stream by the request layer's output filter, which stops reading at the cut."""
+    remote, _ = backend(lambda request: httpx.Response(200, content=events(
+        {"content": "x = 1\n", "stop": False}, {"content": "    y = 2\n\n", "stop": False},
+        {"content": "    return y\nprint(f(2))\n", "stop": False}, LAST_INFILL),
+        headers={"content-type": "text/event-stream"}))
+    request = infill_request()
+    request.limits = [SuffixTrimmer("\nprint(f(1))\n"), BlockLimit(4)]
+    pieces = await collect(remote.infill(request))
+    assert "".join(piece.text for piece in pieces) == "x = 1\n    y = 2\n\n    return y"
+    assert pieces[-1].final and pieces[-1].stats is None  # cut before the server's last event
 
 
 @pytest.mark.asyncio
