@@ -3,9 +3,9 @@
 Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits_to_keep)`, `cache.length`,
 `cache.crop(n)`):
 
-- `LeanLlama` runs Llama-family models (SmolLM2, the default) with a static, pre-allocated KV cache written
-  by position, so rolling back rejected draft tokens is free: the length moves, nothing is copied. Each layer
-  is a handful of large kernels: fused QKV and gate/up projections, rotary embedding as one complex
+- `LeanLlama` runs Llama-family models (SmolLM2, the default; Qwen2, whose q/k/v projections have biases)
+  with a static, pre-allocated KV cache written by position, so rolling back rejected draft tokens is free: the
+  length moves, nothing is copied. Each layer is a handful of large kernels: fused QKV and gate/up projections, rotary embedding as one complex
   multiply, grouped-query attention as two batched matmuls that read the cache in place (transformers'
   eager and SDPA paths copy the whole cache per layer to repeat the KV heads), and, on CPUs, weights
   pre-packed for oneDNN, whose small-batch GEMM is 2-4x faster here than the default BLAS for the 2-64
@@ -59,6 +59,16 @@ class Linear:
         return F.linear(x, self.weight)
 
 
+def reordered_qkv(attn, heads: int, kv_heads: int, head_dim: int, order: torch.Tensor, scale: float, bias: bool):
+    """The q, k and v projections as one: the weights (or with bias=True their biases) of q and k with each head's
+    rows reordered by `order`, and q's scaled by `scale`."""
+    def part(linear, count):
+        values = linear.bias if bias else linear.weight
+        return values.view(count, head_dim, -1)[:, order].reshape(values.shape)
+    return torch.cat([part(attn.q_proj, heads) * scale, part(attn.k_proj, kv_heads),
+                      attn.v_proj.bias if bias else attn.v_proj.weight]).contiguous()
+
+
 class StaticCache:
     """Keys and values for every layer: [layers, kv_heads, capacity, head_dim] each, written by position.
     Grows by doubling when a forward needs more room; `crop` only moves the length."""
@@ -93,7 +103,8 @@ class StaticCache:
 
 
 class LeanLlama:
-    """A lean forward for Llama-architecture models, sharing (not copying) the transformers weights."""
+    """A lean forward for Llama-architecture models (and Qwen2's, which adds q/k/v biases), sharing (not copying)
+    the transformers weights."""
 
     INITIAL_CAPACITY = 1024
     rewindable = True  # crop() only moves the length
@@ -120,11 +131,12 @@ class LeanLlama:
         order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
         scale = 1.0 / math.sqrt(self.head_dim)
         self.weights: list[torch.Tensor] = []  # per layer: norm1, qkv, o, norm2, gate_up, down
+        self.biases: list[Optional[torch.Tensor]] = []  # per layer: the fused q/k/v bias (Qwen2), else None
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            q = attn.q_proj.weight.view(self.heads, self.head_dim, -1)[:, order].reshape(-1, self.hidden) * scale
-            k = attn.k_proj.weight.view(self.kv_heads, self.head_dim, -1)[:, order].reshape(-1, self.hidden)
-            linears = [Linear(torch.cat([q, k, attn.v_proj.weight]).contiguous()), Linear(attn.o_proj.weight),
+            fused = (attn, self.heads, self.kv_heads, self.head_dim, order, scale)
+            self.biases.append(reordered_qkv(*fused, bias=True) if attn.q_proj.bias is not None else None)
+            linears = [Linear(reordered_qkv(*fused, bias=False)), Linear(attn.o_proj.weight),
                        Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()),
                        Linear(mlp.down_proj.weight)]
             qkv, o, gate_up, down = (linear.packed if linear.packed is not None else linear.weight
@@ -141,10 +153,15 @@ class LeanLlama:
     def supports(model) -> str | None:
         """None when this path computes the model's forward exactly, else why not."""
         config = model.config
-        if config.model_type != "llama":
+        if config.model_type not in ("llama", "qwen2"):
             return f"model type {config.model_type!r}"
-        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-            return "projection biases"
+        attention = model.model.layers[0].self_attn
+        if getattr(config, "mlp_bias", False) or attention.o_proj.bias is not None or (
+                (attention.q_proj.bias is None) != (attention.k_proj.bias is None) or
+                (attention.q_proj.bias is None) != (attention.v_proj.bias is None)):
+            return "projection biases other than on q, k and v together"
+        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+            return "sliding-window layers"
         if getattr(config, "hidden_act", "silu") != "silu":
             return f"activation {config.hidden_act!r}"
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -211,7 +228,8 @@ class LeanLlama:
                 mask.masked_fill_(key_positions > query_positions, float("-inf"))
             masks.append(mask)
         x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks, starts,
-                            counts, self.weights, self.packed, self.eps, self.heads, self.kv_heads, self.head_dim)
+                            counts, self.weights, self.biases, self.packed, self.eps, self.heads, self.kv_heads,
+                            self.head_dim)
         keep = []
         for r, end, row_end in zip(rows, ends, itertools.accumulate(counts)):
             r.cache.length = end
@@ -223,7 +241,8 @@ class LeanLlama:
 
 def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[torch.Tensor], rotary: torch.Tensor,
                masks: List[Optional[torch.Tensor]], starts: List[int], counts: List[int], weights: List[torch.Tensor],
-               packed: bool, eps: float, heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+               biases: List[Optional[torch.Tensor]], packed: bool, eps: float, heads: int, kv_heads: int,
+               dim: int) -> torch.Tensor:
     """Every decoder layer over x [rows, hidden]: sequence s has counts[s] rows at positions starts[s].. and
     its own cache (keys_all[s], values_all[s]), where its keys and values are written. One plain function
     (no modules, no hooks) so that TorchScript can run it without Python."""
@@ -235,9 +254,9 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
         norm2, gate_up_w, down_w = weights[6 * index + 3], weights[6 * index + 4], weights[6 * index + 5]
         h = torch.rms_norm(x, [hidden], norm1, eps)
         if packed:
-            qkv = torch.ops.mkldnn._linear_pointwise(h, qkv_w, None, "none", no_scalars, "")
+            qkv = torch.ops.mkldnn._linear_pointwise(h, qkv_w, biases[index], "none", no_scalars, "")
         else:
-            qkv = F.linear(h, qkv_w)  # [rows, (heads + 2 kv_heads) dim]
+            qkv = F.linear(h, qkv_w, biases[index])  # [rows, (heads + 2 kv_heads) dim]
         qk = qkv[:, : (heads + kv_heads) * dim].reshape(x.shape[0], heads + kv_heads, dim // 2, 2)
         if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:  # no complex bf16, and complex32 has few
             # kernels: rotate in float32 (as transformers does) and come back to the model's dtype

@@ -47,6 +47,9 @@ def tiny_model(seed: int = 0, context: int = 512, dtype=torch.float64, vocab: in
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(3.0)
+        for module in model.modules():  # transformers starts biases at zero: make Qwen2's matter
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5)
     return model.to(dtype).eval()
 
 
@@ -76,6 +79,9 @@ def tiny_arch_model(kind: str, dtype=torch.float64, seed: int = 0, context: int 
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(3.0)
+        for module in model.modules():  # transformers starts biases at zero: make Qwen2's matter
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5)
     return model.to(dtype).eval()
 
 

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from codespec.forward import LeanLlama, Linear, Rows, TransformersForward, forward_path
-from tests.tiny import tiny_model
+from tests.tiny import tiny_arch_model, tiny_model
 
 
 # transformers' RMSNorm computes in float32 even for a float64 model, so the two paths differ by ~1e-6
@@ -17,7 +17,11 @@ def assert_close(lean_logits, reference_logits, tolerance):
     assert (lean_logits - reference_logits).abs().max().item() < tolerance
 
 
-def test_lean_matches_transformers_through_prefill_decode_verify_and_rollback(model):
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lean_matches_transformers_through_prefill_decode_verify_and_rollback(kind):
+    model = tiny_arch_model(kind)
+    assert LeanLlama.supports(model) is None
+    assert kind == "llama" or model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0  # Qwen2: biases matter
     lean, reference = LeanLlama(model), TransformersForward(model)
     lean_cache, reference_cache = lean.new_cache(), reference.new_cache()
     prompt = list(range(3, 40))
@@ -69,7 +73,8 @@ def test_float32_lean_model_matches_transformers():
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(attention_bias=True), "projection biases"),
+    (dict(attention_bias=True), "projection biases"),  # Llama's biases include o_proj's
+    (dict(layer_types=["sliding_attention"], sliding_window=8), "sliding-window layers"),
     (dict(hidden_act="gelu"), "activation"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope type"),
 ])
