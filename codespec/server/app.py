@@ -209,6 +209,23 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": run.cached}}
 
+    async def start(route: str, body, request: Request, build) -> Generation:
+        """The route's generation: the server's settings with the body's, its session (in the API key's namespace),
+        and its prompt, build(engine, params) -> Prompt on the engine's worker."""
+        params, spec = generations.settings(body)
+        namespace = tenant(request)
+        return await generations.start(Plan(route, lambda engine: build(engine, params), params, spec,
+                                            generations.session_name(body, namespace), body.cache_prompt,
+                                            body.requested_tokens() == 0, body.t_max_predict_ms, namespace))
+
+    async def llama_answer(run: Generation, body, request: Request):
+        """/infill's and /completion's answer: streamed as {"content": piece} events, or whole; a warm-up is never
+        a stream (llama.vim reads its answer as JSON)."""
+        if body.stream and not run.plan.warm_only:
+            return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
+                                              lambda: [{**infill_body(run), "content": ""}], done=False))
+        return await finish(request, run) or answer(infill_body(run), body.response_fields, InfillResponse)
+
     async def stream_events(run: Generation, piece, last, done: bool):
         """SSE: one event per text piece, then the last ones; `data: [DONE]` after them for OpenAI routes. The status
         line is sent already when something fails: the error is the last event (then [DONE]), not a cut stream."""
@@ -234,14 +251,12 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                          **BODY_ERRORS})
     async def infill(body: InfillRequest, request: Request):
         """llama.cpp's fill-in-the-middle endpoint (llama.vim's). `n_predict: 0` only warms the session's cache."""
-        warm_only = body.requested_tokens() == 0
-        params, spec = generations.settings(body)
         extra = [(chunk.filename, chunk.text) for chunk in body.input_extra]
 
-        def build(engine) -> Prompt:
+        def build(engine, params) -> Prompt:
             # the context the text may need: what was asked for, else a little (generation ends at the context)
-            budget = prompt_budget(engine.context_length, 0 if warm_only else params.max_tokens,
-                                   limited=body.requested_tokens() > 0)
+            requested = body.requested_tokens()
+            budget = prompt_budget(engine.context_length, params.max_tokens if requested else 0, limited=requested > 0)
             # healed: a cursor on an empty line or inside a name starts the suggestion where a person expects
             fim = fim_prompt(engine.tokenizer, body.input_prefix + body.prompt, body.input_suffix, extra,
                              body.filename, max_tokens=budget, vocabulary=engine.vocabulary)
@@ -252,13 +267,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                 limits.append(BlockLimit(body.n_indent, LLAMA_CPP))
             return Prompt(fim.ids, fim.truncated, fim.stop_ids, limits, fim.healed)
 
-        namespace = tenant(request)
-        run = await generations.start(Plan("/infill", build, params, spec, generations.session_name(body, namespace),
-                                           body.cache_prompt, warm_only, body.t_max_predict_ms, namespace))
-        if body.stream and not warm_only:
-            return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
-                                              lambda: [{**infill_body(run), "content": ""}], done=False))
-        return await finish(request, run) or answer(infill_body(run), body.response_fields, InfillResponse)
+        return await llama_answer(await start("/infill", body, request, build), body, request)
 
     @app.post("/completion", response_model=InfillResponse | SelectedFields,
               responses={**streamed('{"content": piece, "stop": false} events, then the InfillResponse with '
@@ -267,21 +276,11 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
     async def completion(body: LlamaCompletionRequest, request: Request):
         """llama.cpp's own completion endpoint: the prompt (text or token ids) continued, answered as /infill is.
         `n_predict: 0` only warms the session's cache."""
-        warm_only = body.requested_tokens() == 0
-        params, spec = generations.settings(body)
-
-        def build(engine) -> Prompt:
+        def build(engine, params) -> Prompt:
             limits = [BlockLimit(body.n_indent, LLAMA_CPP)] if body.n_indent else []
             return Prompt(prompt_ids(engine, body.prompt), limits=limits)
 
-        namespace = tenant(request)
-        run = await generations.start(Plan("/completion", build, params, spec,
-                                           generations.session_name(body, namespace), body.cache_prompt, warm_only,
-                                           body.t_max_predict_ms, namespace))
-        if body.stream and not warm_only:
-            return event_stream(stream_events(run, lambda delta: {"content": delta, "stop": False},
-                                              lambda: [{**infill_body(run), "content": ""}], done=False))
-        return await finish(request, run) or answer(infill_body(run), body.response_fields, InfillResponse)
+        return await llama_answer(await start("/completion", body, request, build), body, request)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**streamed("OpenAI completion chunks (a failure: {\"error\": ...}), then [DONE]"),
@@ -290,20 +289,15 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         """OpenAI text completion; with `suffix`, fill-in-the-middle. `n_predict` or `max_tokens` 0 only warms
         the session's cache."""
         check_openai(body)
-        warm_only = body.requested_tokens() == 0
-        params, spec = generations.settings(body)
 
-        def build(engine) -> Prompt:
+        def build(engine, params) -> Prompt:
             if body.suffix is None:
                 return Prompt(prompt_ids(engine, body.prompt))
             fim = fim_prompt(engine.tokenizer, body.prompt, body.suffix)
             limits = [SuffixTrimmer(body.suffix)] if fim.format is None and body.suffix.strip() else []
             return Prompt(fim.ids, False, fim.stop_ids, limits)
 
-        namespace = tenant(request)
-        run = await generations.start(Plan("/v1/completions", build, params, spec,
-                                           generations.session_name(body, namespace), body.cache_prompt, warm_only,
-                                           body.t_max_predict_ms, namespace))
+        run = await start("/v1/completions", body, request, build)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text, finish_reason=None, **more):
@@ -331,22 +325,17 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
         """OpenAI chat completion, with the model's chat template. `n_predict` or `max_tokens` 0 only warms the
         session's cache (llama.vim's instruction warm-up)."""
         check_openai(body)
-        warm_only = body.requested_tokens() == 0
-        params, spec = generations.settings(body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
 
-        def build(engine) -> Prompt:
+        def build(engine, params) -> Prompt:
             if not getattr(engine.tokenizer, "chat_template", None):
                 raise CodespecError("this model has no chat template; use /v1/completions")
             ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False)
             return Prompt(list(ids["input_ids"] if isinstance(ids, dict) else ids))
 
-        namespace = tenant(request)
-        run = await generations.start(Plan("/v1/chat/completions", build, params, spec,
-                                           generations.session_name(body, namespace), body.cache_prompt, warm_only,
-                                           body.t_max_predict_ms, namespace))
+        run = await start("/v1/chat/completions", body, request, build)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first = [True]
 
