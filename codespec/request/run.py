@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 
 from ..config import SamplingParams, ServerConfig, SpecConfig
@@ -93,7 +94,7 @@ class Requests:
         """Submit on the worker. Raises CodespecError for a bad prompt and scheduler.QueueFull."""
         return await self.scheduler.acall(self.submit, request)
 
-    def submit(self, engine, request: Request, new_run: Callable = None) -> Run:
+    def submit(self, engine, request: Request, new_run: Callable | None = None) -> Run:
         """On the worker: build the prompt, check it, name the session, queue the job. new_run: a frontend's Run
         subclass, given Run's fields."""
         prompt = request.build(engine)
@@ -120,11 +121,12 @@ class Requests:
             steps = engine.stream_steps(prompt.ids, request.params, session_id=run.session_id, spec=request.spec,
                                         reference=prompt.reference, stop_ids=prompt.stop_ids,
                                         prefill_chunk=self.prefill_chunk, healed=prompt.healed)
-            while (chunk := (yield from next_output(steps))) is not None:
-                if chunk.result is not None and chunk.result.finish_reason == "stop":
-                    said = engine.tokenizer.decode(chunk.result.tokens, skip_special_tokens=True)
-                    run.stop_word = next((s for s in request.params.stop if s and s in said), "")
-                yield replace(chunk, stats=chunk.stats.copy() if chunk.stats is not None else None)
+            with closing(steps):  # a job stopped between two chunks ends the engine's generation there, at once
+                while (chunk := (yield from next_output(steps))) is not None:
+                    if chunk.result is not None and chunk.result.finish_reason == "stop":
+                        said = engine.tokenizer.decode(chunk.result.tokens, skip_special_tokens=True)
+                        run.stop_word = next((s for s in request.params.stop if s and s in said), "")
+                    yield replace(chunk, stats=chunk.stats.copy() if chunk.stats is not None else None)
         finally:
             if run.temporary:
                 engine.drop(run.session_id, pool=KEEP)  # a one-off request's text still teaches the pool

@@ -112,3 +112,31 @@ def test_a_prompt_the_engine_cannot_take_is_refused_before_it_is_queued(engine, 
     with pytest.raises(CodespecError, match=words):
         run(Requests(scheduler), Request(lambda engine: Prompt(ids), SamplingParams(), PLAIN))
     assert scheduler.queued == 0 and not engine.sessions
+
+
+def test_the_language_server_s_local_backend_goes_through_the_same_layer(engine, scheduler):
+    """An in-process LSP completion: the engine's text through the request's limits, the job stopped at the cut, the
+    last piece final with the statistics."""
+    from types import SimpleNamespace
+
+    from codespec.context.fim import FimPrompt
+    from lsp.backend import InfillRequest, LocalBackend
+
+    ids = prompt_ids()
+    alone = engine.generate(ids, SamplingParams(max_tokens=40), spec=PLAIN)
+
+    async def ready():
+        return scheduler
+
+    server = SimpleNamespace(ready=ready, completer=SimpleNamespace(
+        build_prompt=lambda engine, request: FimPrompt(list(ids), None)))
+    limits = [CutAfter(len(alone.text) // 2)]
+    request = InfillRequest("lsp:a.py", "file:///a.py", "", "", (), [], (), None, "", [], 40, (), PLAIN, limits)
+
+    async def go():
+        return [piece async for piece in LocalBackend(server).infill(request)]
+
+    pieces = asyncio.run(go())
+    assert "".join(piece.text for piece in pieces) == apply_limits(alone.text, [CutAfter(len(alone.text) // 2)])
+    assert pieces[-1].final and not any(piece.final for piece in pieces[:-1])
+    assert 0 < pieces[-1].stats.generated_tokens < alone.stats.generated_tokens
