@@ -5,7 +5,14 @@ the threshold is dynamic: each large buffer freed raises it (up to 32 MB on 64-b
 heap instead, and a heap keeps what is freed inside it. A server that builds and drops per-request tensors of a few
 MB (logits over the vocabulary, attention scratch) ends with hundreds of MB that are free but never returned
 (measured: RSS 250-400 MB above the KV caches). A fixed threshold keeps those buffers on mmap.
+
+oneDNN keeps a compiled primitive for every matmul shape it meets, up to 1,024 of them, and a batched forward meets
+a new shape with every new number of rows: measured on the default model's four layer shapes, 159 row counts swept
+three times, RSS went 244 -> 644 -> 791 -> 815 MB and had not levelled off. A primitive costs microseconds to
+create against milliseconds for the matmul it runs (the sweep ran no slower with 8 cached), so a small cache bounds
+that memory for nothing: with 32 it stays flat after the first sweep.
 """
+
 
 from __future__ import annotations
 
@@ -16,12 +23,15 @@ import os
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
 MMAP_THRESHOLD = 1 << 20  # bytes: larger allocations are mmapped and returned on free (glibc's own start: 128 KiB)
 ENVIRONMENT = "CODESPEC_MMAP_THRESHOLD"  # bytes, overriding MMAP_THRESHOLD; 0 leaves glibc's dynamic threshold
+PRIMITIVE_CACHE = 32  # oneDNN primitives kept (its default: 1,024); $ONEDNN_PRIMITIVE_CACHE_CAPACITY overrides
 
 
 def return_freed_memory() -> int:
-    """Fix glibc's mmap threshold, once at process start, before the model loads. Returns the threshold set; 0 when
+    """Fix glibc's mmap threshold and bound oneDNN's primitive cache, once at process start, before the first
+    forward (oneDNN reads its variable when it first creates a primitive). Returns the threshold set; 0 when
     nothing was changed: not glibc (macOS, musl), $MALLOC_MMAP_THRESHOLD_ already set by the user (glibc read it
     at start), or $CODESPEC_MMAP_THRESHOLD=0."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
     threshold = int(os.environ.get(ENVIRONMENT) or MMAP_THRESHOLD)
     if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return 0
