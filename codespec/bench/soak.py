@@ -206,13 +206,17 @@ def route_summary(rows: list[tuple[str, str, float]]) -> dict:
 
 
 def memory_verdict(samples: list[dict], limit_mb: float) -> dict:
-    """RSS growth over the second half of the run (a plateau grows by next to nothing), and the KV cache against
+    """RSS growth over the second half of the run, in all and besides the KV caches (which grow with the editors'
+    prefixes up to --session-memory; what else the server holds must level off), and the KV cache against
     --session-memory: over it only while the busy sessions alone are over it."""
     half = samples[len(samples) // 2 :]
+    other = [s["server_rss_mb"] - s["kv_mb"] for s in half]
     over = [s for s in samples if s["kv_mb"] > limit_mb]
     return {"rss_first_mb": samples[0]["server_rss_mb"], "rss_max_mb": max(s["server_rss_mb"] for s in samples),
             "rss_last_mb": samples[-1]["server_rss_mb"],
             "rss_growth_second_half_mb": half[-1]["server_rss_mb"] - half[0]["server_rss_mb"],
+            "other_growth_second_half_mb": round(other[-1] - other[0]),
+            "other_range_second_half_mb": round(max(other) - min(other)),
             "kv_max_mb": max(s["kv_mb"] for s in samples), "session_memory_mb": limit_mb,
             "samples_over_session_memory": len(over),
             "over_with_idle_sessions_to_evict": sum(s["busy_kv_mb"] <= limit_mb for s in over)}
@@ -227,15 +231,18 @@ def table(result: dict) -> str:
     for route, row in result["routes"].items():
         errors = ", ".join(f"{k}: {v}" for k, v in row["errors"].items()) or "none"
         out.append(f"{route:<22}{row['requests']:>9}{row['p50_ms'] or '-':>9}{row['p95_ms'] or '-':>9}  {errors}")
-    out += ["", f"{'t s':>6}{'RSS MB':>8}{'lsp MB':>8}{'sessions':>9}{'KV MB':>8}{'busy KV':>8}{'queue':>6}"
-                f"{'active':>7}{'pool':>6}"]
+    out += ["", f"{'t s':>6}{'RSS MB':>8}{'- KV MB':>8}{'lsp MB':>8}{'sessions':>9}{'KV MB':>8}{'busy KV':>8}"
+                f"{'queue':>6}{'active':>7}{'pool':>6}"]
     for s in result["samples"]:
         pool = "-" if s.get("pool_occupancy") is None else f"{s['pool_occupancy']:.2f}"
-        out.append(f"{s['t_s']:>6}{s['server_rss_mb']:>8}{s.get('lsp_rss_mb') or '-':>8}{s['sessions']:>9}"
+        out.append(f"{s['t_s']:>6}{s['server_rss_mb']:>8}{s['server_rss_mb'] - s['kv_mb']:>8.0f}"
+                   f"{s.get('lsp_rss_mb') or '-':>8}{s['sessions']:>9}"
                    f"{s['kv_mb']:>8}{s['busy_kv_mb']:>8}{s['queue'] or 0:>6.0f}{s['active'] or 0:>7.0f}{pool:>6}")
     memory = result["memory"]
     out += ["", f"server RSS: {memory['rss_first_mb']} MB at the first sample, {memory['rss_max_mb']} MB at most, "
-                f"{memory['rss_growth_second_half_mb']:+} MB over the second half",
+                f"{memory['rss_growth_second_half_mb']:+} MB over the second half; besides the KV caches "
+                f"{memory['other_growth_second_half_mb']:+} MB over the second half (range "
+                f"{memory['other_range_second_half_mb']} MB)",
             f"KV cache: {memory['kv_max_mb']} MB at most against --session-memory {memory['session_memory_mb']} MB; "
             f"over it in {memory['samples_over_session_memory']} samples, "
             f"{memory['over_with_idle_sessions_to_evict']} of them with idle sessions that could have gone"]
