@@ -170,10 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-forward-costs", action="store_true",
                        help="leave the forward-cost table out of a full run (saves about two minutes)")
     bench.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
+    bench.add_argument("--llama-server", metavar="PATH",
+                       help="also run llama.cpp's llama-server (this binary) on the same GGUF and prompts, side by "
+                            "side: plain, and its n-gram speculation at its defaults and at draft-max 16 (build one "
+                            "with python -m codespec.bench.build_llama_server --out DIR)")
+    bench.add_argument("--llama-server-threads", type=bounded_int(1, 1024), metavar="N",
+                       help="llama-server's -t/-tb (default: torch's thread count, codespec's own)")
+    bench.add_argument("--llama-server-spec-types", default="ngram-simple,ngram-mod", metavar="TYPES",
+                       help="llama-server's n-gram --spec-type values to run (default ngram-simple,ngram-mod; also "
+                            "ngram-map-k, ngram-map-k4v, ngram-cache)")
     return parser
 
 
 def run_bench(args) -> int:
+    import contextlib
     from pathlib import Path
 
     from tqdm.auto import tqdm
@@ -195,6 +205,16 @@ def run_bench(args) -> int:
             raise CodespecError(f"unknown bench config {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
     if not workloads:
         raise CodespecError(f"no workload in classes {args.classes!r}; use edit, completion, multi-turn, free-form, prose")
+    peer = None
+    if args.llama_server:  # checked before the model loads, so a wrong path is a one-line error at once
+        import torch
+
+        from .bench.llama_server import Peer, check_binary, gguf_for
+
+        check_binary(args.llama_server)  # before the GGUF is looked for
+        peer = Peer(args.llama_server, gguf_for(args.model),
+                    args.llama_server_threads or torch.get_num_threads(),
+                    [t.strip() for t in args.llama_server_spec_types.split(",") if t.strip()])
     engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype", "forward")
                                         if getattr(args, name) is not None}))
     configs = [c for c in runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max),
@@ -223,10 +243,15 @@ def run_bench(args) -> int:
         if args.forward_costs:
             (out / "forward.json").write_text(json.dumps(forward, indent=2))
             return 0
-    with tqdm(total=len(workloads) * len(configs) * repeats, desc="bench", unit="run") as progress:
-        rows = runner.run_bench(engine, workloads, configs, repeats, max_tokens, turns, progress)
-    data = runner.report(rows, {"device": engine.model.device, "dtype": str(engine.model.dtype).removeprefix("torch."),
-                                "max_tokens": max_tokens, "repeats": repeats, "turns": turns, "quick": quick})
+    settings = {"device": engine.model.device, "dtype": str(engine.model.dtype).removeprefix("torch."),
+                "max_tokens": max_tokens, "repeats": repeats, "turns": turns, "quick": quick}
+    with peer if peer is not None else contextlib.nullcontext():  # llama-server processes stop on the way out
+        if peer is not None:
+            configs += [runner.Config(name, server=server) for name, server in peer.servers.items()]
+            settings["llama_server"] = peer.describe()
+        with tqdm(total=len(workloads) * len(configs) * repeats, desc="bench", unit="run") as progress:
+            rows = runner.run_bench(engine, workloads, configs, repeats, max_tokens, turns, progress)
+    data = runner.report(rows, settings)
     if forward is not None:
         data["forward"] = forward
     print(runner.format_table(data))

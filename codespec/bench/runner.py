@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -11,6 +12,7 @@ import torch
 
 from ..config import SamplingParams, SpecConfig
 from ..engine import Engine
+from .llama_server import PLAIN as PEER_PLAIN, PREFIX as PEER_PREFIX
 from .workloads import Workload
 
 PLAIN = "plain"
@@ -26,6 +28,7 @@ class Config:
     name: str
     spec: SpecConfig | None = None  # a codespec configuration
     hf_options: dict | None = None  # or transformers' own generate with these options
+    server: object | None = None  # or a running llama-server (llama_server.LlamaServer): the side-by-side peer
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Run:
     prefill_seconds: float = 0.0  # time to each turn's first token: the same work for every config
     turns: int = 0
     outside_forwards: float = 0.0  # seconds outside target forwards (codespec configs)
+    server: dict | None = None  # llama-server's own timings, summed over turns (prompt_n/_ms, predicted_n/_ms)
 
     @property
     def decode_seconds(self) -> float:
@@ -94,8 +98,20 @@ def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig, layers:
     return configs
 
 
+def turn_prompt(engine: Engine, workload: Workload, messages: list[dict], turn: str) -> list[int]:
+    """A turn's prompt as token ids: the chat so far through the chat template, or the raw text."""
+    if workload.chat:
+        return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    return engine.encode(turn)
+
+
 def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens: int, turns: int) -> Run:
     """All turns of a workload in one fresh session (and a fresh pool), as one user would see them."""
+    if config.server is not None:
+        from . import llama_server
+
+        return llama_server.run_workload(config.server, engine.tokenizer, workload, max_tokens, turns,
+                                         lambda messages, turn: turn_prompt(engine, workload, messages, turn))
     engine.shared.pool.reset()
     session_id = f"bench-{time.monotonic_ns()}"
     messages: list[dict] = []
@@ -105,9 +121,7 @@ def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens:
     for turn in workload.turns[:turns]:
         if workload.chat:
             messages.append({"role": "user", "content": turn})
-            prompt = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-        else:
-            prompt = engine.encode(turn)
+        prompt = turn_prompt(engine, workload, messages, turn)
         if config.spec is not None:
             result = engine.generate(prompt, params, session_id=session_id, spec=config.spec)
             tokens, stats = result.tokens, result.stats
@@ -147,18 +161,52 @@ def run_bench(engine: Engine, workloads: list[Workload], configs: list[Config], 
     return list(rows.values())
 
 
+def is_peer(config: str) -> bool:
+    """A llama-server row (the side-by-side peer), not one of codespec's or transformers' configurations."""
+    return config.startswith(PEER_PREFIX)
+
+
+def _rate(run_or_row, decode: bool = False) -> float:
+    if isinstance(run_or_row, Row):
+        first = run_or_row.runs[0]
+        return (first.decode_tokens / run_or_row.decode_seconds if decode
+                else len(first.tokens) / run_or_row.seconds)
+    return run_or_row.decode_tokens / run_or_row.decode_seconds if decode else len(run_or_row.tokens) / run_or_row.seconds
+
+
+def _speedup(base: Row, row: Row, decode: bool = False) -> float:
+    """Time ratio for the same output; tok/s ratio where a llama-server row's output may differ in length."""
+    if is_peer(base.config) or is_peer(row.config):
+        return _rate(row, decode) / _rate(base, decode)
+    return base.decode_seconds / row.decode_seconds if decode else base.seconds / row.seconds
+
+
+def _paired(base: Row, row: Row) -> float:
+    if is_peer(base.config) or is_peer(row.config):
+        return statistics.median(_rate(r) / _rate(p) for p, r in zip(base.runs, row.runs))
+    return statistics.median(p.seconds / r.seconds for p, r in zip(base.runs, row.runs))
+
+
+def _server_rate(row: Row, n: str, ms: str) -> float | None:
+    rates = [run.server[n] / run.server[ms] * 1000 for run in row.runs if run.server and run.server[ms] > 0]
+    return round(statistics.median(rates), 2) if rates else None
+
+
 def report(rows: list[Row], settings: dict) -> dict:
-    """Ratios against plain greedy and against transformers' prompt lookup, per workload and per class."""
+    """Ratios against plain greedy and against transformers' prompt lookup, per workload and per class; with
+    llama-server rows, absolute tok/s of every row against llama-server's plain decoding too."""
     by_workload: dict[str, dict[str, Row]] = {}
     for row in rows:
         by_workload.setdefault(row.workload.name, {})[row.config] = row
     results = []
     for workload, configs in by_workload.items():
-        plain, hf_lookup = configs[PLAIN], configs[HF_LOOKUP]
-        reference = plain.runs[0].tokens
+        plain, hf_lookup, peer_plain = configs[PLAIN], configs[HF_LOOKUP], configs.get(PEER_PLAIN)
         for name, row in configs.items():
             first = row.runs[0]
-            results.append({
+            # identity within a family: llama-server's speculation against its own plain decoding (its Q4_1
+            # kernels are not codespec's dequantised weights, so its plain text is its own reference)
+            reference = (peer_plain if is_peer(name) and peer_plain is not None else plain).runs[0].tokens
+            result = {
                 "workload": workload,
                 "kind": row.workload.kind,
                 "config": name,
@@ -169,57 +217,97 @@ def report(rows: list[Row], settings: dict) -> dict:
                 "prefill_seconds_median": round(statistics.median(run.prefill_seconds for run in row.runs), 4),
                 "tokens_per_forward": round(len(first.tokens) / first.forwards, 3) if first.forwards else None,
                 "acceptance": round(first.accepted / first.drafted, 3) if first.drafted else None,
-                "speedup_vs_plain": round(plain.seconds / row.seconds, 3),
+                "speedup_vs_plain": round(_speedup(plain, row), 3),
                 # the median over rounds of plain's time over this config's in the same round: runs next to each
                 # other share the machine's state, so slow drift and a busy neighbour cancel out
-                "paired_speedup_vs_plain": round(statistics.median(
-                    p.seconds / r.seconds for p, r in zip(plain.runs, row.runs)), 3),
-                "speedup_vs_transformers_prompt_lookup": round(hf_lookup.seconds / row.seconds, 3),
-                "decode_speedup_vs_plain": round(plain.decode_seconds / row.decode_seconds, 3),
-                "decode_speedup_vs_transformers_prompt_lookup": round(hf_lookup.decode_seconds / row.decode_seconds, 3),
+                "paired_speedup_vs_plain": round(_paired(plain, row), 3),
+                "speedup_vs_transformers_prompt_lookup": round(_speedup(hf_lookup, row), 3),
+                "decode_speedup_vs_plain": round(_speedup(plain, row, decode=True), 3),
+                "decode_speedup_vs_transformers_prompt_lookup": round(_speedup(hf_lookup, row, decode=True), 3),
                 "outside_forwards_share": (round(statistics.median(run.outside_forwards / run.seconds
                                                                    for run in row.runs), 4)
                                            if first.forwards else None),
                 "identical_to_plain": all(run.tokens == reference for run in row.runs),
                 "repeats": len(row.runs),
-            })
+            }
+            if peer_plain is not None:
+                result["tokens_per_second_vs_llama_server_plain"] = round(_speedup(peer_plain, row), 3)
+                result["paired_tokens_per_second_vs_llama_server_plain"] = round(_paired(peer_plain, row), 3)
+            if is_peer(name):
+                result.update({
+                    "identical_to": PEER_PLAIN,
+                    "identical_to_codespec_plain": all(run.tokens == plain.runs[0].tokens for run in row.runs),
+                    # llama-server's own timings: decoding (predicted_per_second) and prompt processing
+                    "server_predicted_per_second": _server_rate(row, "predicted_n", "predicted_ms"),
+                    "server_prompt_per_second": _server_rate(row, "prompt_n", "prompt_ms"),
+                    "drafted": first.drafted, "accepted": first.accepted})
+            results.append(result)
     classes: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         classes.setdefault((r["kind"], r["config"]), []).append(r)
-    summary = [{"kind": kind, "config": config,
-                **{f"median_{key}": round(statistics.median(r[key] for r in members), 3)
-                   for key in ("speedup_vs_plain", "paired_speedup_vs_plain", "decode_speedup_vs_plain",
-                               "decode_tokens_per_second", "speedup_vs_transformers_prompt_lookup")},
-                "worst_paired_speedup_vs_plain": min(r["paired_speedup_vs_plain"] for r in members),
-                "identical_share": round(sum(r["identical_to_plain"] for r in members) / len(members), 3),
-                "all_identical_to_plain": all(r["identical_to_plain"] for r in members)}
-               for (kind, config), members in classes.items()]
+    summary = []
+    for (kind, config), members in classes.items():
+        keys = ["tokens_per_second", "speedup_vs_plain", "paired_speedup_vs_plain", "decode_speedup_vs_plain",
+                "decode_tokens_per_second", "speedup_vs_transformers_prompt_lookup"]
+        keys += [k for k in ("tokens_per_second_vs_llama_server_plain", "server_predicted_per_second",
+                             "server_prompt_per_second") if all(m.get(k) is not None for m in members)]
+        summary.append({"kind": kind, "config": config,
+                        **{f"median_{key}": round(statistics.median(r[key] for r in members), 3) for key in keys},
+                        "worst_paired_speedup_vs_plain": min(r["paired_speedup_vs_plain"] for r in members),
+                        "identical_share": round(sum(r["identical_to_plain"] for r in members) / len(members), 3),
+                        "all_identical_to_plain": all(r["identical_to_plain"] for r in members)})
     slower = [f"{s['kind']}/{s['config']} {s['worst_paired_speedup_vs_plain']:.2f}x" for s in summary
-              if s["config"] != HF_LOOKUP and s["worst_paired_speedup_vs_plain"] < NEVER_SLOWER]
+              if s["config"] != HF_LOOKUP and not is_peer(s["config"])
+              and s["worst_paired_speedup_vs_plain"] < NEVER_SLOWER]
     machine = {"device": str(settings["device"]), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "machine": platform.machine()}
+               "threads": torch.get_num_threads(), "machine": platform.machine(),
+               "load_average_at_report": [round(x, 2) for x in os.getloadavg()]}  # busy neighbours show here
     return {**settings, **machine, "results": results, "by_class": summary, "slower_than_plain": slower}
 
 
 def format_table(data: dict) -> str:
-    """Speedups end to end (prefill included) and for decoding alone (after each turn's first token)."""
-    header = (f"{'workload':26} {'config':27} {'tok/s':>6} {'dec t/s':>7} {'tok/fwd':>7} {'accept':>6} "
-              f"{'vs plain':>8} {'dec vs plain':>12} {'vs hf-pld':>9} same")
+    """Speedups end to end (prefill included) and for decoding alone (after each turn's first token); with
+    llama-server rows, every row's tok/s against llama-server's plain and llama-server's own timings."""
+    peer = any(is_peer(r["config"]) for r in data["results"])
+    width = max([27] + [len(r["config"]) for r in data["results"]])
+    header = (f"{'workload':26} {'config':{width}} {'tok/s':>6} {'dec t/s':>7} {'tok/fwd':>7} {'accept':>6} "
+              f"{'vs plain':>8} {'dec vs plain':>12} {'vs hf-pld':>9}" + (f" {'vs llama':>8}" if peer else "")
+              + " same")
     lines = [header, "-" * len(header)]
     for r in data["results"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "-"
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-        lines.append(f"{r['workload']:26} {r['config']:27} {r['tokens_per_second']:6.1f} "
+        vs_llama = (f" {r['tokens_per_second_vs_llama_server_plain']:7.2f}x"
+                    if "tokens_per_second_vs_llama_server_plain" in r else (f" {'-':>8}" if peer else ""))
+        lines.append(f"{r['workload']:26} {r['config']:{width}} {r['tokens_per_second']:6.1f} "
                      f"{r['decode_tokens_per_second']:7.1f} {tpf:>7} {acc:>6} {r['speedup_vs_plain']:7.2f}x "
-                     f"{r['decode_speedup_vs_plain']:11.2f}x {r['speedup_vs_transformers_prompt_lookup']:8.2f}x "
-                     f"{'yes' if r['identical_to_plain'] else 'NO'}")
-    lines += ["", f"{'class':12} {'config':32} {'vs plain':>8} {'paired':>7} {'worst':>6} {'dec vs plain':>12} "
-                  f"{'dec t/s':>7} {'vs hf-pld':>9} {'same':>5}", "-" * 108]
+                     f"{r['decode_speedup_vs_plain']:11.2f}x {r['speedup_vs_transformers_prompt_lookup']:8.2f}x"
+                     f"{vs_llama} {'yes' if r['identical_to_plain'] else 'NO'}")
+    class_header = (f"{'class':12} {'config':{max(32, width)}} {'tok/s':>6} {'vs plain':>8} {'paired':>7} "
+                    f"{'worst':>6} {'dec vs plain':>12} {'dec t/s':>7} {'vs hf-pld':>9}"
+                    + (f" {'vs llama':>8}" if peer else "") + f" {'same':>5}")
+    lines += ["", class_header, "-" * len(class_header)]
     for s in data["by_class"]:
-        lines.append(f"{s['kind']:12} {s['config']:32} {s['median_speedup_vs_plain']:7.2f}x "
+        vs_llama = (f" {s['median_tokens_per_second_vs_llama_server_plain']:7.2f}x"
+                    if "median_tokens_per_second_vs_llama_server_plain" in s else (f" {'-':>8}" if peer else ""))
+        lines.append(f"{s['kind']:12} {s['config']:{max(32, width)}} {s['median_tokens_per_second']:6.1f} "
+                     f"{s['median_speedup_vs_plain']:7.2f}x "
                      f"{s['median_paired_speedup_vs_plain']:6.2f}x {s['worst_paired_speedup_vs_plain']:5.2f}x "
                      f"{s['median_decode_speedup_vs_plain']:11.2f}x {s['median_decode_tokens_per_second']:7.1f} "
-                     f"{s['median_speedup_vs_transformers_prompt_lookup']:8.2f}x {s['identical_share']:5.0%}")
+                     f"{s['median_speedup_vs_transformers_prompt_lookup']:8.2f}x{vs_llama} {s['identical_share']:5.0%}")
+    if peer:
+        lines += ["", "tok/s: generated tokens over wall time, prefill and (llama-server) HTTP included; "
+                      "vs llama: tok/s over llama-server plain's; same: identical to plain greedy "
+                      "(llama-server rows: to llama-server plain)",
+                  "", f"{'workload':26} {'llama-server config':{width}} {'pred t/s':>8} {'prompt t/s':>10} "
+                      f"{'drafted':>7} {'accepted':>8} {'same as its plain':>17} {'same as codespec':>16}"]
+        lines.append("-" * len(lines[-1]))
+        for r in data["results"]:
+            if is_peer(r["config"]):
+                lines.append(f"{r['workload']:26} {r['config']:{width}} {r['server_predicted_per_second'] or 0:8.1f} "
+                             f"{r['server_prompt_per_second'] or 0:10.1f} {r['drafted'] or 0:7} {r['accepted'] or 0:8} "
+                             f"{'yes' if r['identical_to_plain'] else 'NO':>17} "
+                             f"{'yes' if r['identical_to_codespec_plain'] else 'NO':>16}")
     slower = data.get("slower_than_plain") or []
     lines += ["", f"slower than {NEVER_SLOWER}x of plain (paired, worst workload): "
                   f"{', '.join(slower) if slower else 'none'}"]
