@@ -203,18 +203,21 @@ class Adaptive:
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     probe_wait: dict[str, int] = field(default_factory=dict)  # skipped steps before a model drafter's next probe
     probe_countdown: dict[str, int] = field(default_factory=dict)
+    held_back: set[str] = field(default_factory=set)  # model drafters whose cache fell behind the history
 
     def draft_limit(self, pending: int):
         """limit(name, available) for Chain.draft: how many tokens a model drafter should draft at all, its
-        own time per token counted. N-gram drafters cost next to nothing and always draft in full."""
+        own time per token counted. N-gram drafters cost next to nothing and always draft in full. A model drafter
+        that was held back drafts again only through a probe: its next draft first has to read every token it
+        missed, a cost that choose() does not see, and probes are spaced to keep that cost small."""
         def limit(drafter: str, available: int) -> int:
             if drafter not in MODEL_DRAFTERS:
                 return available
             seconds = self.shared.seconds.get(drafter)
-            if seconds is None:  # not timed yet: one token measures what drafting costs before drafting more
-                return min(available, 1)
+            if seconds is None:  # not timed yet: drafting two tokens measures what one more costs
+                return min(available, 2)
             evidence = self.of(drafter)
-            tokens = choose(self.costs, evidence.alpha, available, pending, seconds)
+            tokens = 0 if drafter in self.held_back else choose(self.costs, evidence.alpha, available, pending, seconds)
             if tokens == 0:
                 evidence.skipped += 1
                 countdown = self.probe_countdown.get(drafter)
@@ -225,6 +228,10 @@ class Adaptive:
                     wait = self.probe_wait[drafter] = min(2 * self.probe_wait.get(drafter, self.PROBE), self.PROBE_MAX)
                     countdown, tokens = self.probe_interval(drafter, pending, wait), 1
                 self.probe_countdown[drafter] = countdown
+            if tokens == 0:
+                self.held_back.add(drafter)
+            else:  # a probe or a draft: the drafter's cache is in step with the history again
+                self.held_back.discard(drafter)
             return tokens
         return limit
 
@@ -236,12 +243,17 @@ class Adaptive:
 
     def observe_draft(self, drafter: str, tokens: int, seconds: float, catch_up_seconds: float = 0.0) -> None:
         """A drafter took `seconds` to draft `tokens` tokens after `catch_up_seconds` syncing its cache with the
-        history; only model drafters' times are kept."""
+        history; only model drafters' times are kept. A draft model's first token comes from the forward that syncs
+        its cache, and each further one from a forward of its own: after a catch-up, only the further ones tell
+        what a token costs."""
         if drafter not in MODEL_DRAFTERS:
             return
-        self._learn(self.shared.seconds, drafter, seconds / tokens)
         if catch_up_seconds > 0:
             self._learn(self.shared.catch_up, drafter, catch_up_seconds)
+            if tokens > 1:
+                self._learn(self.shared.seconds, drafter, seconds / (tokens - 1))
+        else:
+            self._learn(self.shared.seconds, drafter, seconds / tokens)
 
     def _learn(self, table: dict[str, float], drafter: str, value: float) -> None:
         previous = table.get(drafter)

@@ -177,7 +177,7 @@ def test_drafting_cost_shortens_a_model_drafters_draft_and_can_switch_it_off():
 
     adaptive = Adaptive(costs)
     limit = adaptive.draft_limit(pending=1)
-    assert limit("draft", 16) == 1  # not timed yet: a one-token draft measures what drafting costs
+    assert limit("draft", 16) == 2  # not timed yet: a two-token draft measures what one more token costs
     adaptive.observe_draft("prompt-lookup", 16, 10.0)  # n-gram drafters are never capped
     assert limit("prompt-lookup", 16) == 16
     adaptive.observe_draft("draft", 4, 4 * 0.004)  # cheap enough to probe at the short interval
@@ -196,7 +196,7 @@ def test_probing_a_switched_off_draft_model_costs_at_most_one_percent_and_new_se
     catch-up is paid once per probe, so probes come rarely enough that they cost at most PROBE_SHARE of the time."""
     costs, shared = fixed_costs(0.05), ModelDrafting()
     adaptive = Adaptive(costs, shared)
-    adaptive.observe_draft("draft", 1, 0.004, catch_up_seconds=3.996)  # a probe: 4 s in all, 4 forwards' time
+    adaptive.observe_draft("draft", 2, 0.004, catch_up_seconds=3.996)  # a probe: 4 s in all, 4 forwards' time
     for _ in range(20):
         adaptive.observe("draft", [3], verified=0, accepted=0, next_token=4)  # held back, and wrong
     limit = adaptive.draft_limit(pending=1)
@@ -207,7 +207,27 @@ def test_probing_a_switched_off_draft_model_costs_at_most_one_percent_and_new_se
 
     fresh = Adaptive(costs, shared)  # another session of the same engine: off from its first step
     assert fresh.of("draft").alpha < 0.1 and fresh.draft_limit(pending=1)("draft", 16) == 0
-    assert Adaptive(costs).draft_limit(pending=1)("draft", 16) == 1  # another engine knows nothing yet
+    assert Adaptive(costs).draft_limit(pending=1)("draft", 16) == 2  # another engine knows nothing yet
+
+
+def test_a_held_back_draft_model_drafts_again_only_through_a_probe_and_a_catch_up_is_not_a_tokens_cost():
+    """Drafting after a held-back step first feeds the draft model every token it missed. choose() does not see
+    that cost, so once held back a model drafter waits for a probe; a probe that hits lets choose() decide again."""
+    costs = fixed_costs(0.05)
+    adaptive = Adaptive(costs)
+    adaptive.observe_draft("draft", 1, 2.0, catch_up_seconds=1.9)  # one token, all of it the catch-up's forward
+    assert "draft" not in adaptive.shared.seconds and adaptive.shared.catch_up == {"draft": 1.9}
+    adaptive.observe_draft("draft", 3, 0.2)  # in step: three forwards for three tokens
+    assert adaptive.shared.seconds == {"draft": pytest.approx(0.2 / 3)}
+    limit = adaptive.draft_limit(pending=1)
+    adaptive.of("draft").hits, adaptive.of("draft").misses = 0.0, 10.0  # no use: held back
+    assert limit("draft", 16) == 0 and "draft" in adaptive.held_back
+    adaptive.of("draft").hits, adaptive.of("draft").misses = 50.0, 0.0  # it would pay now, if it were in step
+    lengths = [limit("draft", 16) for _ in range(400)]
+    probe = next(index for index, length in enumerate(lengths) if length)
+    assert probe + 2 == adaptive.probe_interval("draft", 1, Adaptive.PROBE) == 197  # 1.97 s a probe: 1% of 197 s
+    assert lengths[probe] == 1  # the probe
+    assert lengths[probe + 1] > 1  # in step after the probe: choose() decides, and drafting pays
 
 
 def test_chain_skips_a_drafter_its_limit_rules_out():
