@@ -171,3 +171,33 @@ def test_scheduler_evicts_idle_sessions_after_each_job(engine, scheduler):
     engine.session_memory = 0
     scheduler.submit(prompts(1)[0], PARAMS, session_id="x").wait()
     assert scheduler.call(lambda engine: list(engine.sessions)) == []
+
+
+def test_the_worker_frees_reference_cycles_that_requests_leave_behind(engine, monkeypatch):
+    """A cycle holding a tensor (as a disconnected stream's frames hold logits) is freed soon after its job ends,
+    and a finished job no longer holds the function that made its steps (a frontend's run refers to the job)."""
+    import gc
+    import weakref
+
+    import torch
+
+    monkeypatch.setattr(Scheduler, "COLLECT_SECONDS", 0.0)
+    scheduler = Scheduler(engine)
+    tensors = []
+
+    def steps(engine):
+        cycle = {"logits": torch.zeros(1 << 16)}
+        cycle["self"] = cycle
+        tensors.append(weakref.ref(cycle["logits"]))
+        yield from ()  # a generator that ends at once, leaving the cycle behind
+
+    gc.disable()  # only the worker's collections may free it
+    try:
+        job = scheduler.submit_steps(steps)
+        job.wait()
+        scheduler.call(lambda engine: None)  # the worker has retired the job by the time it answers a call
+        assert tensors and tensors[0]() is None
+        assert job._make_steps is None
+    finally:
+        gc.enable()
+        scheduler.close()
