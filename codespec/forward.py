@@ -5,11 +5,11 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
 
 - `LeanLlama` runs Llama-family models (SmolLM2, the default; Qwen2, whose q/k/v projections have biases)
   with a static, pre-allocated KV cache written by position, so rolling back rejected draft tokens is free: the
-  length moves, nothing is copied. Each layer is a handful of large kernels: fused QKV and gate/up projections, rotary embedding as one complex
-  multiply, grouped-query attention as two batched matmuls that read the cache in place (transformers'
-  eager and SDPA paths copy the whole cache per layer to repeat the KV heads), and, on CPUs, weights
-  pre-packed for oneDNN, whose small-batch GEMM is 2-4x faster here than the default BLAS for the 2-64
-  token verify forwards.
+  length moves, nothing is copied. Each layer is a handful of large kernels: fused QKV and gate/up
+  projections, rotary embedding as one complex multiply, grouped-query attention as two batched matmuls
+  that read the cache in place (transformers' eager and SDPA paths copy the whole cache per layer to repeat
+  the KV heads), and, on CPUs, weights pre-packed for oneDNN, whose small-batch GEMM is 2-4x faster here
+  than the default BLAS for the 2-64 token verify forwards.
 - `TransformersForward` runs anything else through the model's own forward with transformers' cache,
   built so that a rollback works on every layer type (`TransformersCache`).
 
@@ -156,9 +156,8 @@ class LeanLlama:
         if config.model_type not in ("llama", "qwen2"):
             return f"model type {config.model_type!r}"
         attention = model.model.layers[0].self_attn
-        if getattr(config, "mlp_bias", False) or attention.o_proj.bias is not None or (
-                (attention.q_proj.bias is None) != (attention.k_proj.bias is None) or
-                (attention.q_proj.bias is None) != (attention.v_proj.bias is None)):
+        qkv_biased = {linear.bias is not None for linear in (attention.q_proj, attention.k_proj, attention.v_proj)}
+        if getattr(config, "mlp_bias", False) or attention.o_proj.bias is not None or len(qkv_biased) > 1:
             return "projection biases other than on q, k and v together"
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
             return "sliding-window layers"
