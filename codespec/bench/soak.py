@@ -234,7 +234,7 @@ def table(result: dict) -> str:
     out += ["", f"{'t s':>6}{'RSS MB':>8}{'- KV MB':>8}{'lsp MB':>8}{'sessions':>9}{'KV MB':>8}{'busy KV':>8}"
                 f"{'queue':>6}{'active':>7}{'pool':>6}"]
     for s in result["samples"]:
-        pool = "-" if s.get("pool_occupancy") is None else f"{s['pool_occupancy']:.2f}"
+        pool = "-" if s.get("pool_occupancy") is None else f"{s['pool_occupancy']:.1%}"
         out.append(f"{s['t_s']:>6}{s['server_rss_mb']:>8}{s['server_rss_mb'] - s['kv_mb']:>8.0f}"
                    f"{s.get('lsp_rss_mb') or '-':>8}{s['sessions']:>9}"
                    f"{s['kv_mb']:>8}{s['busy_kv_mb']:>8}{s['queue'] or 0:>6.0f}{s['active'] or 0:>7.0f}{pool:>6}")
