@@ -10,8 +10,10 @@ past line 256 so the window slides), the user has just pressed Enter: the cursor
   "as if the suggestion were accepted" (the window slides down by the suggestion's lines; its `prev` argument).
   Its answer is what appears after Tab, so its latency and how much of its prompt the server's cache already held
   (tokens_cached / prompt tokens) are the figures that matter;
-- instruct: `:LlamaInstruct` on a 20-line selection: the `n_predict: 0` warm-up, then the streamed instruction;
-  the time from sending the instruction to its first streamed text.
+- instruct: `:LlamaInstruct` on a 20-line selection, its messages as llama.vim builds them (the selection with 256
+  lines before and 64 after in the system message): the `n_predict: 0` warm-up, sent when the instruction prompt
+  opens, then the streamed instruction on Enter, 0, 1 or 2 s later or once the warm-up is done; the time from
+  Enter to the first streamed text.
 
 Each --cache-reuse value runs on its own fresh server (0: prefix reuse only; 256: llama-server users' setting).
 """
@@ -22,6 +24,7 @@ import argparse
 import json
 import statistics
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -68,22 +71,48 @@ def suggestion_lines(content: str) -> list[str]:
     return parts
 
 
-def instruct(client, lines: list[str]) -> float:
-    """Seconds from sending :LlamaInstruct's instruction to its first streamed text (after its warm-up)."""
-    selection = "\n".join(lines[300:320])
-    messages = [{"role": "system", "content": "You are a code-editing assistant. Return only the result."},
-                {"role": "user", "content": f"Add type hints.\n\n{selection}"}]
-    client.post("/v1/chat/completions", json={"messages": messages, "id_slot": 1, "n_predict": 0}).raise_for_status()
+INSTRUCTION_SYSTEM = (  # llama#inst_build's system message, then the context, prefix, selection and suffix
+    "You are a text-editing assistant. Respond ONLY with the result of applying INSTRUCTION to SELECTION given the "
+    "CONTEXT. Maintain the existing text indentation. Do not add extra code blocks. Respond only with the modified "
+    "block. If the INSTRUCTION is a question, answer it directly. Do not output any extra separators. Consider the "
+    "local context before (PREFIX) and after (SUFFIX) the SELECTION.\n")
+TYPING_SECONDS = (0.0, 1.0, 2.0, None)  # how long the instruction takes to type after the warm-up is sent; None: the
+# warm-up has finished (a slow typist)
+
+
+def instruct(client, lines: list[str], typing: float | None) -> float:
+    """Seconds from sending :LlamaInstruct's instruction to its first streamed text. llama.vim sends the warm-up
+    (`n_predict: 0`) when its instruction prompt opens, and the instruction on Enter, `typing` seconds later."""
+    l0, l1 = 300, 320  # the selection: lines l0..l1-1 (0-based), with llama.vim's window around it
+    dashes = "-" * 40
+    system = (INSTRUCTION_SYSTEM + "\n"
+              + f"--- CONTEXT     {dashes}\n\n"
+              + f"--- PREFIX      {dashes}\n" + "\n".join(lines[max(0, l0 - N_PREFIX) : l0]) + "\n"
+              + f"--- SELECTION   {dashes}\n" + "\n".join(lines[l0:l1]) + "\n"
+              + f"--- SUFFIX      {dashes}\n" + "\n".join(lines[l1 : l1 + N_SUFFIX]) + "\n")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "INSTRUCTION: Add type hints."}]
+    warm_up = threading.Thread(target=lambda: client.post("/v1/chat/completions", json={
+        "messages": messages[:1] + [{"role": "user", "content": ""}], "id_slot": 1, "n_predict": 0}))
+    warm_up.start()
+    if typing is None:
+        warm_up.join()
+    else:
+        time.sleep(typing)
     started = time.perf_counter()
-    with client.stream("POST", "/v1/chat/completions",
-                       json={"messages": messages, "id_slot": 1, "stream": True, "n_predict": 64}) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
-                if delta:
-                    return time.perf_counter() - started
-    return float("nan")
+    try:
+        with client.stream("POST", "/v1/chat/completions",
+                           json={"messages": messages, "id_slot": 1, "stream": True, "n_predict": 64}) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+                    if delta:
+                        return time.perf_counter() - started
+        return float("nan")
+    finally:
+        warm_up.join()
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "-"}], "id_slot": 1,
+                                                  "n_predict": 0})  # the slot moves on: the next run starts cold
 
 
 def run(client, positions: int) -> dict:
@@ -99,7 +128,8 @@ def run(client, positions: int) -> dict:
         after = post(client, fim_body(lines, y, prev, 1000))
         rows.append({"line": y, "shown_s": shown["seconds"], "after_s": after["seconds"], "after_reused": after["reused"],
                      "prompt_tokens": after["prompt_tokens"], "first": shown["content"][:40]})
-    return {"rows": rows, "instruct_first_text_s": instruct(client, source)}
+    return {"rows": rows, "instruct_first_text_s": {"after warm-up" if typing is None else f"{typing:g} s typing":
+                                                     instruct(client, source, typing) for typing in TYPING_SECONDS}}
 
 
 def summary(result: dict) -> dict:
