@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from codespec.bench.llama_vim import INSTRUCTION_SYSTEM  # llama#inst_build's system message
 from tests.serving import running_codespec_serve
 
 pytestmark = pytest.mark.integration
@@ -23,11 +24,6 @@ N_PREFIX, N_SUFFIX, N_PREDICT, RING_CHUNK_SIZE = 256, 64, 128, 64
 FIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
               "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
               "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
-INSTRUCTION_SYSTEM = (
-    "You are a text-editing assistant. Respond ONLY with the result of applying INSTRUCTION to SELECTION given the "
-    "CONTEXT. Maintain the existing text indentation. Do not add extra code blocks. Respond only with the modified "
-    "block. If the INSTRUCTION is a question, answer it directly. Do not output any extra separators. Consider the "
-    "local context before (PREFIX) and after (SUFFIX) the SELECTION.\n")
 
 
 @pytest.fixture(scope="module")
