@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future
 
 from .config import ServerConfig
@@ -119,6 +120,15 @@ class Job:
         async for _ in self:
             pass
         return self.result
+
+
+def _generator(steps: Iterable) -> Generator:
+    """A job's steps as what the worker advances (send, close): a plain iterable is wrapped in a generator."""
+    return steps if inspect.isgenerator(steps) else _wrapped(steps)
+
+
+def _wrapped(steps: Iterable) -> Generator:
+    return (yield from steps)
 
 
 def _ended(item) -> bool:
@@ -288,7 +298,7 @@ class Scheduler:
                 return None
             try:
                 if job._stream is None:
-                    job._stream = iter(job._make_steps(self.engine))
+                    job._stream = _generator(job._make_steps(self.engine))
                     job._make_steps = None  # it often holds its frontend's run, which holds the job: no cycle
                     item = next(job._stream)
                 else:

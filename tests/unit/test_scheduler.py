@@ -173,6 +173,15 @@ def test_scheduler_evicts_idle_sessions_after_each_job(engine, scheduler):
     assert scheduler.call(lambda engine: list(engine.sessions)) == []
 
 
+def test_a_job_whose_steps_are_a_plain_iterator_runs_and_the_worker_goes_on(engine, scheduler):
+    """submit_steps takes any iterable; a list iterator (no send, no close) used to end in an AttributeError that
+    was raised again by the worker's own cleanup, which killed the worker."""
+    assert list(scheduler.submit_steps(lambda engine: iter(["a", "b"]))) == ["a", "b"]
+    assert list(scheduler.submit_steps(lambda engine: ["c"])) == ["c"]
+    assert scheduler.call(lambda engine: 42) == 42
+    assert scheduler.submit(prompts(1)[0], PARAMS).wait() is not None
+
+
 def test_the_worker_frees_reference_cycles_that_requests_leave_behind(engine, monkeypatch):
     """A cycle holding a tensor (as a disconnected stream's frames hold logits) is freed soon after its job ends,
     and a finished job no longer holds the function that made its steps (a frontend's run refers to the job)."""
