@@ -80,19 +80,30 @@ TYPING_SECONDS = (0.0, 1.0, 2.0, None)  # how long the instruction takes to type
 # warm-up has finished (a slow typist)
 
 
+def instruction_messages(lines: list[str], l0: int, l1: int, extra: list[dict], instruction: str) -> list[dict]:
+    """llama#inst_build (1-based, inclusive selection). `join(l:extra, "\\n")` joins Vim dictionaries, which Vim
+    writes as their string() form."""
+    prefix = lines[max(1, l0 - N_PREFIX) - 1 : l0 - 1]
+    selection = lines[l0 - 1 : l1]
+    suffix = lines[l1 : min(len(lines), l1 + N_SUFFIX)]
+    context = "\n".join("{" + ", ".join(f"'{key}': {value!r}" for key, value in chunk.items()) + "}"
+                        for chunk in extra)
+    dashes = "-" * 40
+    system = (INSTRUCTION_SYSTEM + "\n"
+              + f"--- CONTEXT     {dashes}\n" + context + "\n"
+              + f"--- PREFIX      {dashes}\n" + "\n".join(prefix) + "\n"
+              + f"--- SELECTION   {dashes}\n" + "\n".join(selection) + "\n"
+              + f"--- SUFFIX      {dashes}\n" + "\n".join(suffix) + "\n")
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"INSTRUCTION: {instruction}" if instruction else ""}]
+
+
 def instruct(client, lines: list[str], typing: float | None) -> float:
     """Seconds from sending :LlamaInstruct's instruction to its first streamed text. llama.vim sends the warm-up
     (`n_predict: 0`) when its instruction prompt opens, and the instruction on Enter, `typing` seconds later."""
-    l0, l1 = 300, 320  # the selection: lines l0..l1-1 (0-based), with llama.vim's window around it
-    dashes = "-" * 40
-    system = (INSTRUCTION_SYSTEM + "\n"
-              + f"--- CONTEXT     {dashes}\n\n"
-              + f"--- PREFIX      {dashes}\n" + "\n".join(lines[max(0, l0 - N_PREFIX) : l0]) + "\n"
-              + f"--- SELECTION   {dashes}\n" + "\n".join(lines[l0:l1]) + "\n"
-              + f"--- SUFFIX      {dashes}\n" + "\n".join(lines[l1 : l1 + N_SUFFIX]) + "\n")
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "INSTRUCTION: Add type hints."}]
+    messages = instruction_messages(lines, 301, 320, [], "Add type hints.")  # a 20-line selection
     warm_up = threading.Thread(target=lambda: client.post("/v1/chat/completions", json={
-        "messages": messages[:1] + [{"role": "user", "content": ""}], "id_slot": 1, "n_predict": 0}))
+        "messages": instruction_messages(lines, 301, 320, [], ""), "id_slot": 1, "n_predict": 0}))
     warm_up.start()
     if typing is None:
         warm_up.join()

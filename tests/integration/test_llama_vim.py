@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from codespec.bench.llama_vim import INSTRUCTION_SYSTEM  # llama#inst_build's system message
+from codespec.bench.llama_vim import instruction_messages
 from tests.serving import running_codespec_serve
 
 pytestmark = pytest.mark.integration
@@ -71,24 +71,6 @@ def fim_request(prefix: str, middle: str, suffix: str, indent: int, extra: list[
             "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
             "t_max_prompt_ms": 500, "t_max_predict_ms": 250 if first else 1000, "response_fields": FIM_FIELDS,
             "model": ""}
-
-
-def instruction_messages(lines: list[str], l0: int, l1: int, extra: list[dict], instruction: str) -> list[dict]:
-    """llama#inst_build (1-based, inclusive selection). `join(l:extra, "\\n")` joins Vim dictionaries, which Vim
-    writes as their string() form."""
-    prefix = lines[max(1, l0 - N_PREFIX) - 1 : l0 - 1]
-    selection = lines[l0 - 1 : l1]
-    suffix = lines[l1 : min(len(lines), l1 + N_SUFFIX)]
-    context = "\n".join("{" + ", ".join(f"'{key}': {value!r}" for key, value in chunk.items()) + "}"
-                        for chunk in extra)
-    dashes = "-" * 40
-    system = (INSTRUCTION_SYSTEM + "\n"
-              + f"--- CONTEXT     {dashes}\n" + context + "\n"
-              + f"--- PREFIX      {dashes}\n" + "\n".join(prefix) + "\n"
-              + f"--- SELECTION   {dashes}\n" + "\n".join(selection) + "\n"
-              + f"--- SUFFIX      {dashes}\n" + "\n".join(suffix) + "\n")
-    return [{"role": "system", "content": system},
-            {"role": "user", "content": f"INSTRUCTION: {instruction}" if instruction else ""}]
 
 
 def generated_tokens(client) -> float:
