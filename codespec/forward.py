@@ -29,6 +29,8 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from . import attention
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 
@@ -145,6 +147,9 @@ class LeanLlama:
                                      for linear in linears)
             self.weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
         self.packed = self.lm_head.packed is not None
+        self.few_rows_kernel = self.device.type == "cpu" and self.dtype == torch.float32
+        if self.few_rows_kernel:
+            attention.warm_up()
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
         # float32 angles and cos/sin, as transformers computes them (for every model dtype)
@@ -219,18 +224,26 @@ class LeanLlama:
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=self.device)
         x = F.embedding(ids, self.embed)  # [rows, hidden]
         rotary = torch.cat([self.rotary[start:end] for start, end in zip(starts, ends)])[:, None, :]  # [rows, 1, half]
+        # sequences with few rows take the cache-streaming kernel (attention.py): on CPUs in float32
+        few = [self.few_rows_kernel and count <= attention.FEW_ROWS for count in counts]
+        table, score_rows, width = None, 0, 0
+        if any(few):
+            chosen = [i for i, f in enumerate(few) if f]
+            firsts = list(itertools.accumulate(counts, initial=0))
+            table = attention.make_table([rows[i] for i in chosen], [firsts[i] for i in chosen], self.heads)
+            score_rows, width = self.heads * sum(counts[i] for i in chosen), max(ends[i] for i in chosen)
         masks: List[Optional[torch.Tensor]] = []
-        for start, count, end in zip(starts, counts, ends):
+        for start, count, end, kernel in zip(starts, counts, ends, few):
             mask = None
-            if count > 1:  # query i sees keys 0..start+i
+            if count > 1 and not kernel:  # query i sees keys 0..start+i
                 key_positions = torch.arange(end, device=self.device)
                 query_positions = torch.arange(start, end, device=self.device)[:, None]
                 mask = torch.zeros((count, end), dtype=self.dtype, device=self.device)
                 mask.masked_fill_(key_positions > query_positions, float("-inf"))
             masks.append(mask)
         x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks, starts,
-                            counts, self.weights, self.biases, self.packed, self.eps, self.heads, self.kv_heads,
-                            self.head_dim)
+                            counts, few, table, score_rows, width, self.weights, self.biases, self.packed, self.eps,
+                            self.heads, self.kv_heads, self.head_dim)
         keep = []
         for r, end, row_end in zip(rows, ends, itertools.accumulate(counts)):
             r.cache.length = end
@@ -241,12 +254,16 @@ class LeanLlama:
 
 
 def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[torch.Tensor], rotary: torch.Tensor,
-               masks: List[Optional[torch.Tensor]], starts: List[int], counts: List[int], weights: List[torch.Tensor],
+               masks: List[Optional[torch.Tensor]], starts: List[int], counts: List[int], few: List[bool],
+               table: Optional[torch.Tensor], score_rows: int, width: int, weights: List[torch.Tensor],
                biases: List[Optional[torch.Tensor]], packed: bool, eps: float, heads: int, kv_heads: int,
                dim: int) -> torch.Tensor:
     """Every decoder layer over x [rows, hidden]: sequence s has counts[s] rows at positions starts[s].. and
-    its own cache (keys_all[s], values_all[s]), where its keys and values are written. One plain function
-    (no modules, no hooks) so that TorchScript can run it without Python."""
+    its own cache (keys_all[s], values_all[s]), where its keys and values are written. Sequences marked in `few`
+    attend in one call of attention.cached_attention per layer (described by `table`; `score_rows` query heads
+    against up to `width` keys), the
+    others in one scaled_dot_product_attention each. One plain function (no modules, no hooks) so that
+    TorchScript can run it without Python."""
     hidden = x.shape[1]
     no_scalars: List[Optional[Union[int, float, complex]]] = []
     for index in range(len(weights) // 6):
@@ -263,23 +280,26 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
             qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rotary).to(qkv.dtype).flatten(2)
         else:
             qk = torch.view_as_real(torch.view_as_complex(qk) * rotary).flatten(2)  # [rows, heads + kv_heads, dim]
-        outputs: List[torch.Tensor] = []
+        attention = torch.empty((x.shape[0], heads * dim), dtype=x.dtype, device=x.device)
         row = 0
         for s in range(len(counts)):
             start, count = starts[s], counts[s]
             end = start + count
             qk_s, v_s = qk[row : row + count], qkv[row : row + count, (heads + kv_heads) * dim :]
-            row += count
             keys, values = keys_all[s][index], values_all[s][index]  # [kv_heads, capacity, dim]
             keys[:, start:end] = qk_s[:, heads:].transpose(0, 1)
             values[:, start:end] = v_s.reshape(count, kv_heads, dim).transpose(0, 1)
-            # grouped-query attention against the cache in place: enable_gqa lets each group of query heads
-            # share its KV head without repeating the cache
-            q = qk_s[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, heads, count, dim]
-            attention = F.scaled_dot_product_attention(q, keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0),
-                                                       attn_mask=masks[s], scale=1.0, enable_gqa=True)
-            outputs.append(attention[0].transpose(0, 1).reshape(count, heads * dim))
-        attention = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            if not few[s]:
+                # grouped-query attention against the cache in place: enable_gqa lets each group of query heads
+                # share its KV head without repeating the cache
+                q = qk_s[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, heads, count, dim]
+                out = F.scaled_dot_product_attention(q, keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0),
+                                                     attn_mask=masks[s], scale=1.0, enable_gqa=True)
+                attention[row : row + count] = out[0].transpose(0, 1).reshape(count, heads * dim)
+            row += count
+        if table is not None:
+            torch.ops.codespec.cached_attention(qk, attention.view(x.shape[0], heads, dim), table, index, heads,
+                                                kv_heads, score_rows, width)
         if packed:
             x = x + torch.ops.mkldnn._linear_pointwise(attention, o_w, None, "none", no_scalars, "")
         else:
