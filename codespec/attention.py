@@ -18,6 +18,8 @@ in any batch gets the same attention, and it matches PyTorch's to float rounding
 
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-FEW_ROWS = 2  # sequences with at most this many rows in a forward come here (measured: beyond, the GEMM is as fast)
+FEW_ROWS = 4  # sequences with at most this many rows in a forward come here (measured: beyond, the GEMM is faster)
 COLUMNS = 7  # the table: key address, value address, capacity, first row, start, count, first score row
 
 
@@ -52,9 +54,29 @@ def _scores(qk, table, layer, heads, kv_heads, scores):
         offset = (layer * kv_heads + h) * capacity * dim * 4
         keys = numba.carray(_pointer(table[s, 0] + offset), (start + count, dim), np.float32)
         j = 0
-        while j + 4 <= start + count:  # four keys at a time: four independent sums per query row
+        while j + 4 <= start + count:  # two query rows x four keys at a time: eight independent sums
             k0, k1, k2, k3 = keys[j], keys[j + 1], keys[j + 2], keys[j + 3]
-            for r in range(rows):
+            r = 0
+            while r + 2 <= rows:
+                q = qk[first + r // group, h * group + r % group]
+                p = qk[first + (r + 1) // group, h * group + (r + 1) % group]
+                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+                for d in range(dim):
+                    x, y = q[d], p[d]
+                    a0 += x * k0[d]
+                    a1 += x * k1[d]
+                    a2 += x * k2[d]
+                    a3 += x * k3[d]
+                    b0 += y * k0[d]
+                    b1 += y * k1[d]
+                    b2 += y * k2[d]
+                    b3 += y * k3[d]
+                out = scores[base + r]
+                out[j], out[j + 1], out[j + 2], out[j + 3] = a0, a1, a2, a3
+                out = scores[base + r + 1]
+                out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
+                r += 2
+            if r < rows:
                 q = qk[first + r // group, h * group + r % group]
                 a0 = a1 = a2 = a3 = np.float32(0.0)
                 for d in range(dim):
@@ -95,9 +117,21 @@ def _weighted_values(weights, table, layer, heads, kv_heads, out):
         for r in range(rows):
             out[first + r // group, h * group + r % group, :] = 0.0
         j = 0
-        while j + 4 <= start + count:
+        while j + 4 <= start + count:  # four values at a time, into two query rows at a time
             v0, v1, v2, v3 = values[j], values[j + 1], values[j + 2], values[j + 3]
-            for r in range(rows):
+            r = 0
+            while r + 2 <= rows:
+                w, u = weights[base + r], weights[base + r + 1]
+                w0, w1, w2, w3 = w[j], w[j + 1], w[j + 2], w[j + 3]
+                u0, u1, u2, u3 = u[j], u[j + 1], u[j + 2], u[j + 3]
+                o = out[first + r // group, h * group + r % group]
+                n = out[first + (r + 1) // group, h * group + (r + 1) % group]
+                for d in range(dim):
+                    x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
+                    o[d] += w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+                    n[d] += u0 * x0 + u1 * x1 + u2 * x2 + u3 * x3
+                r += 2
+            if r < rows:
                 w = weights[base + r]
                 w0, w1, w2, w3 = w[j], w[j + 1], w[j + 2], w[j + 3]
                 o = out[first + r // group, h * group + r % group]
@@ -123,11 +157,25 @@ def cached_attention(qk: torch.Tensor, out: torch.Tensor, table: torch.Tensor, l
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # numba's own pool, as many threads
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
-    scores = torch.empty((rows, width), dtype=torch.float32)
+    scores, weights = _scratch(rows * width)
+    scores, weights = scores[: rows * width].view(rows, width), weights[: rows * width].view(rows, width)
     table_np = table.numpy()
     _scores(qk.numpy(), table_np, layer, heads, kv_heads, scores.numpy())
-    weights = torch.softmax(scores, dim=-1)
+    torch._softmax(scores, -1, False, out=weights)
     _weighted_values(weights.numpy(), table_np, layer, heads, kv_heads, out.numpy())
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two float32 buffers of at least `size`, kept per thread: a fresh megabyte-sized tensor per layer would be a
+    fresh mmap (memory.py lowers glibc's threshold) and its page faults cost as much as the softmax itself."""
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None or buffers[0].numel() < size:
+        size = max(size, 2 * buffers[0].numel() if buffers is not None else size)
+        buffers = _SCRATCH.buffers = (torch.empty(size, dtype=torch.float32), torch.empty(size, dtype=torch.float32))
+    return buffers
 
 
 _LIBRARY = torch.library.Library("codespec", "DEF")
