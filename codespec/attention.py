@@ -40,9 +40,10 @@ def _pointer(typingctx, address):
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-def _scores(qk, table, layer, heads, kv_heads, scores):
-    """scores[row, j] = q . k_j for every query row of every (sequence, KV head), keys past the row's position -inf.
-    qk [rows, heads + kv_heads, dim]; score rows of sequence s, KV head h: table[s, 6] + (h * count + i) * group + g."""
+def _scores(qk, v, table, layer, heads, kv_heads, scores):
+    """Writes each sequence's new keys (from qk [rows, heads + kv_heads, dim]) and values (v [rows, kv_heads, dim])
+    into its cache, then scores[row, j] = q . k_j for every query row of every (sequence, KV head), keys past the
+    row's position -inf. Score rows of sequence s, KV head h: table[s, 6] + h * count * group + i * group + g."""
     dim = qk.shape[2]
     group = heads // kv_heads
     width = scores.shape[1]
@@ -53,6 +54,10 @@ def _scores(qk, table, layer, heads, kv_heads, scores):
         base = table[s, 6] + h * rows
         offset = (layer * kv_heads + h) * capacity * dim * 4
         keys = numba.carray(_pointer(table[s, 0] + offset), (start + count, dim), np.float32)
+        values = numba.carray(_pointer(table[s, 1] + offset), (start + count, dim), np.float32)
+        for i in range(count):
+            keys[start + i, :] = qk[first + i, heads + h]
+            values[start + i, :] = v[first + i, h]
         j = 0
         while j + 4 <= start + count:  # two query rows x four keys at a time: eight independent sums
             k0, k1, k2, k3 = keys[j], keys[j + 1], keys[j + 2], keys[j + 3]
@@ -148,11 +153,12 @@ def _weighted_values(weights, table, layer, heads, kv_heads, out):
             j += 1
 
 
-def cached_attention(qk: torch.Tensor, out: torch.Tensor, table: torch.Tensor, layer: int, heads: int,
-                     kv_heads: int, rows: int, width: int) -> None:
+def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor, layer: int,
+                     heads: int, kv_heads: int, rows: int, width: int) -> None:
     """Attention of the sequences in `table` (one row each: key and value cache addresses, capacity, first row
-    in qk/out, start position, row count, first score row) at `layer`; writes their rows of out [rows, heads, dim].
-    The caches hold [layers, kv_heads, capacity, dim] float32 and already contain these rows' keys and values.
+    in qk/v/out, start position, row count, first score row) at `layer`: writes their keys (qk [rows, heads +
+    kv_heads, dim], rotated) and values (v [rows, kv_heads, dim]) into the caches ([layers, kv_heads, capacity,
+    dim] float32 each) and their attention into out [rows, heads, dim].
     `rows` score rows (heads x the sequences' rows) of `width` keys (the longest sequence's) are written between."""
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # numba's own pool, as many threads
     if numba.get_num_threads() != threads:
@@ -160,7 +166,7 @@ def cached_attention(qk: torch.Tensor, out: torch.Tensor, table: torch.Tensor, l
     scores, weights = _scratch(rows * width)
     scores, weights = scores[: rows * width].view(rows, width), weights[: rows * width].view(rows, width)
     table_np = table.numpy()
-    _scores(qk.numpy(), table_np, layer, heads, kv_heads, scores.numpy())
+    _scores(qk.numpy(), v.numpy(), table_np, layer, heads, kv_heads, scores.numpy())
     torch._softmax(scores, -1, False, out=weights)
     _weighted_values(weights.numpy(), table_np, layer, heads, kv_heads, out.numpy())
 
@@ -179,8 +185,8 @@ def _scratch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _LIBRARY = torch.library.Library("codespec", "DEF")
-_LIBRARY.define("cached_attention(Tensor qk, Tensor(a!) out, Tensor table, int layer, int heads, int kv_heads, "
-                "int rows, int width) -> ()")
+_LIBRARY.define("cached_attention(Tensor qk, Tensor v, Tensor(a!) out, Tensor table, int layer, int heads, "
+                "int kv_heads, int rows, int width) -> ()")
 _LIBRARY.impl("cached_attention", cached_attention, "CPU")
 
 
@@ -199,7 +205,7 @@ def warm_up() -> None:
     """Compile (or load from numba's on-disk cache) both kernels, so no request waits for it."""
     keys = torch.randn(1, 1, 8, 4)
     values = torch.randn(1, 1, 8, 4)
-    qk = torch.randn(2, 2, 4)
+    qkv = torch.randn(2, 3, 4)
     out = torch.empty(2, 1, 4)
     entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 8, 0, 3, 2, 0]], dtype=torch.int64)
-    cached_attention(qk, out, entry, 0, 1, 1, 2, 5)
+    cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 5)

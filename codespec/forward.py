@@ -282,14 +282,15 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
             qk = torch.view_as_real(torch.view_as_complex(qk) * rotary).flatten(2)  # [rows, heads + kv_heads, dim]
         attention = torch.empty((x.shape[0], heads * dim), dtype=x.dtype, device=x.device)
         row = 0
+        v = qkv[:, (heads + kv_heads) * dim :].view(x.shape[0], kv_heads, dim)
         for s in range(len(counts)):
             start, count = starts[s], counts[s]
             end = start + count
-            qk_s, v_s = qk[row : row + count], qkv[row : row + count, (heads + kv_heads) * dim :]
-            keys, values = keys_all[s][index], values_all[s][index]  # [kv_heads, capacity, dim]
-            keys[:, start:end] = qk_s[:, heads:].transpose(0, 1)
-            values[:, start:end] = v_s.reshape(count, kv_heads, dim).transpose(0, 1)
             if not few[s]:
+                qk_s, v_s = qk[row : row + count], v[row : row + count]
+                keys, values = keys_all[s][index], values_all[s][index]  # [kv_heads, capacity, dim]
+                keys[:, start:end] = qk_s[:, heads:].transpose(0, 1)
+                values[:, start:end] = v_s.transpose(0, 1)
                 # grouped-query attention against the cache in place: enable_gqa lets each group of query heads
                 # share its KV head without repeating the cache
                 q = qk_s[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, heads, count, dim]
@@ -297,8 +298,8 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
                                                      attn_mask=masks[s], scale=1.0, enable_gqa=True)
                 attention[row : row + count] = out[0].transpose(0, 1).reshape(count, heads * dim)
             row += count
-        if table is not None:
-            torch.ops.codespec.cached_attention(qk, attention.view(x.shape[0], heads, dim), table, index, heads,
+        if table is not None:  # the others write their keys and values and attend in one call
+            torch.ops.codespec.cached_attention(qk, v, attention.view(x.shape[0], heads, dim), table, index, heads,
                                                 kv_heads, score_rows, width)
         if packed:
             x = x + torch.ops.mkldnn._linear_pointwise(attention, o_w, None, "none", no_scalars, "")

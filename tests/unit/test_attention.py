@@ -42,8 +42,14 @@ def test_the_kernel_computes_grouped_query_attention_of_every_sequence_in_the_ta
     width = max(start + count for start, count in shapes)
     for layer in range(layers):
         out = torch.full((qk.shape[0], heads, dim), float("nan"))
-        torch.ops.codespec.cached_attention(qk, out, table, layer, heads, kv_heads, heads * qk.shape[0], width)
+        new_values = torch.randn(qk.shape[0], kv_heads, dim)
+        torch.ops.codespec.cached_attention(qk, new_values, out, table, layer, heads, kv_heads, heads * qk.shape[0],
+                                            width)
         for cache, q, first, (start, count) in zip(caches, qk_parts, firsts, shapes):
+            # the new rows' keys and values went into the cache at their positions
+            assert torch.equal(cache.keys[layer, :, start : start + count], q[:, heads:].transpose(0, 1))
+            assert torch.equal(cache.values[layer, :, start : start + count],
+                               new_values[first : first + count].transpose(0, 1))
             expected = reference(cache, layer, q[:, :heads], start)
             assert (out[first : first + count] - expected).abs().max().item() < 1e-5
 
