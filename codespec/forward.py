@@ -12,6 +12,8 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   oneDNN, whose small-batch GEMM is 2-4x faster here than the default BLAS for the 2-64 token verify forwards.
   The fused attention never writes the scores out: a 128-token prompt chunk against 2,900 cached tokens took
   21.7 ms per layer as two matmuls and a softmax, 7.2 ms fused (a 3,000-token prompt: 13.4 s -> 8.5 s).
+  On CPUs in float32, sequences with at most attention.FEW_ROWS rows (decoding, short verifies: what many
+  sessions in one forward have) attend in one kernel call per layer that streams their caches instead.
 - `TransformersForward` runs anything else through the model's own forward with transformers' cache,
   built so that a rollback works on every layer type (`TransformersCache`).
 
