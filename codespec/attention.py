@@ -39,6 +39,16 @@ def _pointer(typingctx, address):
     return types.voidptr(types.int64), codegen
 
 
+@numba.njit(inline="always", cache=True)
+def _task(table, task, layer, kv_heads, group, dim):
+    """A kernel task's (sequence s, KV head h): its first row in qk/out, start position, row count, query rows
+    (count x group), first score row, and the byte offset of this layer and head in its caches."""
+    s, h = task // kv_heads, task % kv_heads
+    capacity, first, start, count = table[s, 2], table[s, 3], table[s, 4], table[s, 5]
+    rows = count * group
+    return s, h, first, start, count, rows, table[s, 6] + h * rows, (layer * kv_heads + h) * capacity * dim * 4
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
 def _scores(qk, v, table, layer, heads, kv_heads, scores):
     """Writes each sequence's new keys (from qk [rows, heads + kv_heads, dim]) and values (v [rows, kv_heads, dim])
@@ -48,11 +58,7 @@ def _scores(qk, v, table, layer, heads, kv_heads, scores):
     group = heads // kv_heads
     width = scores.shape[1]
     for task in prange(table.shape[0] * kv_heads):
-        s, h = task // kv_heads, task % kv_heads
-        capacity, first, start, count = table[s, 2], table[s, 3], table[s, 4], table[s, 5]
-        rows = count * group
-        base = table[s, 6] + h * rows
-        offset = (layer * kv_heads + h) * capacity * dim * 4
+        s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim)
         keys = numba.carray(_pointer(table[s, 0] + offset), (start + count, dim), np.float32)
         values = numba.carray(_pointer(table[s, 1] + offset), (start + count, dim), np.float32)
         for i in range(count):
@@ -113,11 +119,7 @@ def _weighted_values(weights, table, layer, heads, kv_heads, out):
     dim = out.shape[2]
     group = heads // kv_heads
     for task in prange(table.shape[0] * kv_heads):
-        s, h = task // kv_heads, task % kv_heads
-        capacity, first, start, count = table[s, 2], table[s, 3], table[s, 4], table[s, 5]
-        rows = count * group
-        base = table[s, 6] + h * rows
-        offset = (layer * kv_heads + h) * capacity * dim * 4
+        s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim)
         values = numba.carray(_pointer(table[s, 1] + offset), (start + count, dim), np.float32)
         for r in range(rows):
             out[first + r // group, h * group + r % group, :] = 0.0
