@@ -31,9 +31,9 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from . import attention
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 
 @dataclass
@@ -263,9 +263,8 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
     """Every decoder layer over x [rows, hidden]: sequence s has counts[s] rows at positions starts[s].. and
     its own cache (keys_all[s], values_all[s]), where its keys and values are written. Sequences marked in `few`
     attend in one call of attention.cached_attention per layer (described by `table`; `score_rows` query heads
-    against up to `width` keys), the
-    others in one scaled_dot_product_attention each. One plain function (no modules, no hooks) so that
-    TorchScript can run it without Python."""
+    against up to `width` keys), the others in one scaled_dot_product_attention each. One plain function (no
+    modules, no hooks) so that TorchScript can run it without Python."""
     hidden = x.shape[1]
     no_scalars: List[Optional[Union[int, float, complex]]] = []
     for index in range(len(weights) // 6):
