@@ -149,9 +149,7 @@ class LeanLlama:
                                      for linear in linears)
             self.weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
         self.packed = self.lm_head.packed is not None
-        self.few_rows_kernel = self.device.type == "cpu" and self.dtype == torch.float32
-        if self.few_rows_kernel:
-            attention.warm_up()
+        self.few_rows_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and attention.ready()
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
         # float32 angles and cos/sin, as transformers computes them (for every model dtype)
