@@ -18,6 +18,7 @@ in any batch gets the same attention, and it matches PyTorch's to float rounding
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numba
@@ -203,21 +204,17 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
     return torch.tensor(entries, dtype=torch.int64).reshape(-1, COLUMNS)
 
 
+@functools.cache
 def ready() -> bool:
-    """Compile (or load from numba's on-disk cache) both kernels, so no request waits for it; True when numba
-    runs them on a pool that pays. Its OpenMP pool needs the system's libgomp (Debian's libgomp1; TBB would do
-    too). Without one numba falls back to its workqueue, which wakes its threads too slowly for ~60 calls per
-    forward: measured, 8 sequences x 1,450 tokens with two rows each took 147-178 ms against 98 ms with OpenMP
-    and 144 ms with PyTorch's attention. Then PyTorch's attention it is."""
-    warm_up()
-    return numba.threading_layer() in ("omp", "tbb")
-
-
-def warm_up() -> None:
-    """Run both kernels once on a tiny input."""
+    """Compile (or load from numba's on-disk cache) both kernels and run them once on a tiny input, so no request
+    waits for it; True when numba runs them on a pool that pays. Its OpenMP pool needs the system's libgomp
+    (Debian's libgomp1; TBB would do too). Without one numba falls back to its workqueue, which wakes its threads
+    too slowly for ~60 calls per forward: measured, 8 sequences x 1,450 tokens with two rows each took 147-178 ms
+    against 98 ms with OpenMP and 144 ms with PyTorch's attention. Then PyTorch's attention it is."""
     keys = torch.randn(1, 1, 8, 4)
     values = torch.randn(1, 1, 8, 4)
     qkv = torch.randn(2, 3, 4)
     out = torch.empty(2, 1, 4)
     entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 8, 0, 3, 2, 0]], dtype=torch.int64)
     cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 5)
+    return numba.threading_layer() in ("omp", "tbb")
