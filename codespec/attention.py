@@ -163,15 +163,20 @@ def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table
     kv_heads, dim], rotated) and values (v [rows, kv_heads, dim]) into the caches ([layers, kv_heads, capacity,
     dim] float32 each) and their attention into out [rows, heads, dim].
     `rows` score rows (heads x the sequences' rows) of `width` keys (the longest sequence's) are written between."""
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # numba's own pool, as many threads
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
+    match_threads()
     scores, weights = _scratch(rows * width)
     scores, weights = scores[: rows * width].view(rows, width), weights[: rows * width].view(rows, width)
     table_np = table.numpy()
     _scores(qk.numpy(), v.numpy(), table_np, layer, heads, kv_heads, scores.numpy())
     torch._softmax(scores, -1, False, out=weights)
     _weighted_values(weights.numpy(), table_np, layer, heads, kv_heads, out.numpy())
+
+
+def match_threads() -> None:
+    """numba's pool uses as many threads as PyTorch's."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
 
 
 _SCRATCH = threading.local()
