@@ -234,7 +234,7 @@ def run_bench(args) -> int:
     if args.forward_costs or not (quick or args.no_forward_costs):
         from .bench.forward_costs import forward_costs, format_forward_costs, outside_forward_share
 
-        with tqdm(total=4, desc="forward costs", unit="step") as progress:
+        with tqdm(total=5, desc="forward costs", unit="step") as progress:
             forward = forward_costs(engine.model, engine.model.config.vocab_size, progress)
             edits = [w for w in all_workloads(1) if w.kind == "edit"]
             forward["outside_forwards_at_draft_max_64"] = outside_forward_share(engine, edits[0], max_tokens)

@@ -38,13 +38,16 @@ def test_forward_costs_table_on_the_tiny_model():
 
     from codespec.bench.forward_costs import SIZES, format_forward_costs, forward_costs
 
-    model = tiny_model(dtype=torch.float32)
+    model = tiny_model(dtype=torch.bfloat16).float()  # bfloat16 values in float32, as the default model's
     data = forward_costs(model, model.config.vocab_size)
-    assert [row["path"] for row in data["rows"]] == ["lean float32", "transformers float32", "lean bfloat16"]
+    assert [row["path"] for row in data["rows"]] == ["lean float32", "lean, 32-bit reads", "transformers float32",
+                                                     "lean bfloat16"]
     assert all(sorted(row["ms"]) == list(SIZES) and row["floor_ms"] > 0 for row in data["rows"])
-    bf16 = data["rows"][2]
-    assert abs(bf16["floor_ms"] * 2 - data["rows"][0]["floor_ms"]) < 0.02  # half the bytes
+    lean, wide, _, bf16 = data["rows"]
+    assert abs(lean["floor_ms"] * 2 - wide["floor_ms"]) < 0.02  # it reads 16 bits of each weight: half the bytes
+    assert abs(bf16["floor_ms"] - lean["floor_ms"]) < 0.02
+    assert data["reads_16_bits_up_to"] == 12
     shares = data["profile"][0]["shares"]
     assert set(shares) == {"weight matmuls", "attention", "other kernels", "python, dispatch, gaps"}
     assert abs(sum(shares.values()) - 1) < 0.05
-    assert "lean float32" in format_forward_costs(data)
+    assert "as 16 bits up to k=12" in format_forward_costs(data)
