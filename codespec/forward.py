@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from . import attention, linear16
+from . import attention, fewrows
 
 
 @dataclass
@@ -138,7 +138,7 @@ class LeanLlama:
         scale = 1.0 / math.sqrt(self.head_dim)
         self.weights: list[torch.Tensor] = []  # per layer: norm1, qkv, o, norm2, gate_up, down
         self.biases: list[Optional[torch.Tensor]] = []  # per layer: the fused q/k/v bias (Qwen2), else None
-        self.narrow: list[torch.Tensor] = []  # per layer: qkv, o, gate_up, down as 16 bits; then lm_head; or none
+        projections: list[torch.Tensor] = []  # per layer: the fused q/k/v, o, fused gate/up and down weights
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             fused = (attn, self.heads, self.kv_heads, self.head_dim, order, scale)
@@ -149,14 +149,14 @@ class LeanLlama:
             qkv, o, gate_up, down = (linear.packed if linear.packed is not None else linear.weight
                                      for linear in linears)
             self.weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
-            self.narrow += [linear.weight for linear in linears]
+            projections += [linear.weight for linear in linears]
         self.packed = self.lm_head.packed is not None
-        # forwards over few rows read bfloat16-valued weights as their 16 high bits (linear16.py): all or none
-        self.narrow.append(self.lm_head.weight)
-        if self.device.type == "cpu" and all(linear16.exact(w) for w in self.narrow) and linear16.ready():
-            self.narrow = [linear16.high_halves(w) for w in self.narrow]
-        else:
-            self.narrow = []
+        # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (fewrows.py)
+        self.fewrows = None
+        if all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
+            norms = [norm for layer in inner.layers for norm in (layer.input_layernorm.weight,
+                                                                 layer.post_attention_layernorm.weight)]
+            self.fewrows = fewrows.Weights(norms, self.biases, projections, self.norm, self.lm_head.weight)
         self.few_rows_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and attention.ready()
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
@@ -249,36 +249,39 @@ class LeanLlama:
                 mask = torch.zeros((count, end), dtype=self.dtype, device=self.device)
                 mask.masked_fill_(key_positions > query_positions, float("-inf"))
             masks.append(mask)
-        narrow = bool(self.narrow) and len(ids) <= linear16.FEW_ROWS
-        x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks, starts,
-                            counts, few, table, score_rows, width, self.weights, self.biases, self.packed,
-                            self.narrow if narrow else [], self.eps, self.heads, self.kv_heads, self.head_dim)
-        keep = []
-        for r, end, row_end in zip(rows, ends, itertools.accumulate(counts)):
+        keep = [i for row_end, r in zip(itertools.accumulate(counts), rows) for i in range(row_end - r.keep, row_end)]
+        if self.fewrows is not None and len(ids) <= fewrows.FEW_ROWS:  # every layer in numba, 16-bit weights
+            firsts = itertools.accumulate(counts, initial=0)
+            apart = [fewrows.Apart(first, count, r.cache, mask)
+                     for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]
+            logits = fewrows.forward(self.fewrows, x, rotary, table, score_rows, width, apart, keep, self.eps,
+                                     self.heads, self.kv_heads, self.head_dim)
+        else:
+            x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks,
+                                starts, counts, few, table, score_rows, width, self.weights, self.biases, self.packed,
+                                self.eps, self.heads, self.kv_heads, self.head_dim)
+            logits = self.lm_head(F.rms_norm(x[keep], (self.hidden,), self.norm, self.eps))  # [sum of keep, vocab]
+        for r, end in zip(rows, ends):
             r.cache.length = end
-            keep.extend(range(row_end - r.keep, row_end))
-        x = F.rms_norm(x[keep], (self.hidden,), self.norm, self.eps)
-        logits = torch.ops.codespec.linear16(x, self.narrow[-1]) if narrow else self.lm_head(x)  # [sum of keep, vocab]
         return list(logits.split([r.keep for r in rows]))
 
 
 def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[torch.Tensor], rotary: torch.Tensor,
                masks: List[Optional[torch.Tensor]], starts: List[int], counts: List[int], few: List[bool],
                table: Optional[torch.Tensor], score_rows: int, width: int, weights: List[torch.Tensor],
-               biases: List[Optional[torch.Tensor]], packed: bool, narrow: List[torch.Tensor], eps: float, heads: int,
-               kv_heads: int, dim: int) -> torch.Tensor:
+               biases: List[Optional[torch.Tensor]], packed: bool, eps: float, heads: int, kv_heads: int,
+               dim: int) -> torch.Tensor:
     """Every decoder layer over x [rows, hidden]: sequence s has counts[s] rows at positions starts[s].. and
     its own cache (keys_all[s], values_all[s]), where its keys and values are written. Sequences marked in `few`
     attend in one call of attention.cached_attention per layer (described by `table`; `score_rows` query heads
-    against up to `width` keys), the others in one scaled_dot_product_attention each. The projections read
-    `narrow` (16-bit copies, 4 per layer) when it is given. One plain function (no modules, no hooks) so that
-    TorchScript can run it without Python."""
+    against up to `width` keys), the others in one scaled_dot_product_attention each. One plain function (no
+    modules, no hooks) so that TorchScript can run it without Python."""
     hidden = x.shape[1]
     for index in range(len(weights) // 6):
         norm1, qkv_w, o_w = weights[6 * index], weights[6 * index + 1], weights[6 * index + 2]
         norm2, gate_up_w, down_w = weights[6 * index + 3], weights[6 * index + 4], weights[6 * index + 5]
         h = torch.rms_norm(x, [hidden], norm1, eps)
-        qkv = project(h, qkv_w, _narrow(narrow, 4 * index), packed, biases[index])  # [rows, (heads + 2 kv_heads) dim]
+        qkv = project(h, qkv_w, packed, biases[index])  # [rows, (heads + 2 kv_heads) dim]
         qk = qkv[:, : (heads + kv_heads) * dim].reshape(x.shape[0], heads + kv_heads, dim // 2, 2)
         if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:  # no complex bf16, and complex32 has few
             # kernels: rotate in float32 (as transformers does) and come back to the model's dtype
@@ -306,24 +309,15 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
         if table is not None:  # the others write their keys and values and attend in one call
             torch.ops.codespec.cached_attention(qk, v, attention.view(x.shape[0], heads, dim), table, index, heads,
                                                 kv_heads, score_rows, width)
-        x = x + project(attention, o_w, _narrow(narrow, 4 * index + 1), packed, None)
+        x = x + project(attention, o_w, packed, None)
         h = torch.rms_norm(x, [hidden], norm2, eps)
-        gate, up = project(h, gate_up_w, _narrow(narrow, 4 * index + 2), packed, None).chunk(2, dim=-1)
-        x = x + project(F.silu(gate).mul_(up), down_w, _narrow(narrow, 4 * index + 3), packed, None)
+        gate, up = project(h, gate_up_w, packed, None).chunk(2, dim=-1)
+        x = x + project(F.silu(gate).mul_(up), down_w, packed, None)
     return x
 
 
-def _narrow(narrow: List[torch.Tensor], index: int) -> Optional[torch.Tensor]:
-    return narrow[index] if len(narrow) > 0 else None
-
-
-def project(x: torch.Tensor, weight: torch.Tensor, narrow: Optional[torch.Tensor], packed: bool,
-            bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x @ W.T (+ bias): from the weight's 16-bit copy when there is one (linear16.py), else from the weight
-    pre-packed for oneDNN (packed) or plain."""
-    if narrow is not None:
-        y = torch.ops.codespec.linear16(x, narrow)
-        return y if bias is None else y + bias
+def project(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ W.T (+ bias), from the weight pre-packed for oneDNN (packed) or plain."""
     if packed:
         no_scalars: List[Optional[Union[int, float, complex]]] = []
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", no_scalars, "")

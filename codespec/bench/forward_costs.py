@@ -10,13 +10,12 @@ import time
 import torch
 
 from ..adaptive import measure_costs
-from .. import linear16
+from .. import fewrows
 from ..forward import LeanLlama, TransformersForward
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 CATEGORIES = (
-    ("weight matmuls", ("mkldnn::_linear_pointwise", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul",
-                        "codespec::linear16")),
+    ("weight matmuls", ("mkldnn::_linear_pointwise", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul")),
     ("attention", ("aten::bmm", "aten::_softmax", "aten::softmax", "aten::scaled_dot_product_attention",
                    "codespec::cached_attention")),
 )
@@ -59,7 +58,7 @@ def profile(path, vocab_size: int, tokens: int, context: int = 256, forwards: in
     for event in prof.key_averages():
         category = next((name for name, ops in CATEGORIES if event.key in ops), "other kernels")
         spent[category] += event.self_cpu_time_total / 1e6
-    spent["python, dispatch, gaps"] = max(0.0, wall - sum(spent.values()))
+    spent["numba, python, gaps"] = max(0.0, wall - sum(spent.values()))
     return {"tokens": tokens, "ms_per_forward_profiled": round(wall / forwards * 1e3, 2),
             "shares": {name: round(seconds / wall, 3) for name, seconds in spent.items()}}
 
@@ -68,9 +67,9 @@ def forward_costs(model, vocab_size: int, progress=None) -> dict:
     bandwidth = read_bandwidth()
     fp32_bytes = weight_bytes(model) * 4 // model.dtype.itemsize
     lean, wide = LeanLlama(model), LeanLlama(model)
-    wide.narrow = []
-    paths = [("lean float32", lean, fp32_bytes // 2 if lean.narrow else fp32_bytes),
-             ("lean, 32-bit reads", wide, fp32_bytes), ("transformers float32", TransformersForward(model), fp32_bytes)]
+    wide.fewrows = None
+    paths = [("lean float32", lean, fp32_bytes // 2 if lean.fewrows else fp32_bytes),
+             ("lean, PyTorch only", wide, fp32_bytes), ("transformers float32", TransformersForward(model), fp32_bytes)]
     if model.device.type == "cpu" or torch.cuda.is_bf16_supported():
         half = copy.deepcopy(model).to(torch.bfloat16)
         paths.append(("lean bfloat16", LeanLlama(half), fp32_bytes // 2))
@@ -82,7 +81,7 @@ def forward_costs(model, vocab_size: int, progress=None) -> dict:
         if progress is not None:
             progress.update()
     return {"read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_mb_float32": round(fp32_bytes / 1e6, 1),
-            "reads_16_bits_up_to": linear16.FEW_ROWS if lean.narrow else 0,
+            "reads_16_bits_up_to": fewrows.FEW_ROWS if lean.fewrows else 0,
             "rows": rows, "profile": [profile(lean, vocab_size, k) for k in (1, 16)]}
 
 
@@ -105,8 +104,8 @@ def format_forward_costs(data: dict) -> str:
     for row in data["rows"]:
         lines.append(f"{row['path']:22} {row['floor_ms']:6.1f} " + " ".join(f"{row['ms'][k]:7.1f}" for k in SIZES))
     if data.get("reads_16_bits_up_to"):
-        lines.append(f"lean float32 reads its bfloat16-valued weights as 16 bits up to k={data['reads_16_bits_up_to']} "
-                     "(its floor is for those), then all 32")
+        lines.append(f"lean float32 runs forwards up to k={data['reads_16_bits_up_to']} in numba, reading its "
+                     "bfloat16-valued weights as 16 bits (its floor is for those); PyTorch over 32 bits beyond")
     for entry in data["profile"]:
         shares = ", ".join(f"{name} {share:.0%}" for name, share in entry["shares"].items())
         lines.append(f"lean float32, k={entry['tokens']} ({entry['ms_per_forward_profiled']} ms profiled): {shares}")

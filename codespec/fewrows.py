@@ -1,0 +1,242 @@
+"""The lean forward over few rows on CPUs, in numba: weights read as 16 bits, a handful of calls per layer.
+
+Decoding and short verifies (a few tokens for each of one or several sessions) cost what reading the weights
+costs, plus whatever runs around the matrix products. Two things shrink here:
+
+- **Bytes.** The default model's checkpoint is stored in bfloat16 (so are most published models), so its
+  float32 weights are bfloat16 values widened: their low 16 bits are zero. Each projection is also kept as its
+  high 16 bits, two to an int32, half the bytes; the kernel widens them back (a shift, or a mask) as it reads,
+  so it multiplies by exactly the weights the float32 path uses, with float32 sums.
+- **Calls.** PyTorch runs a layer as ~20 small kernels, each a dispatch and a thread-pool wake-up (about 8 ms
+  of a 30 ms forward here). Here a layer is four numba calls and one PyTorch softmax: norm, the q/k/v projection
+  and rotary embedding in one; attention against the caches (attention.py's kernels, which also write the new
+  keys and values); the output projection, norm, MLP and both residual adds in the last.
+
+Rows are summed four at a time where a batch has four (each widened weight serves all four), the rest one by
+one: a verify forward's logits may differ from decoding alone in the last bits, as they may with oneDNN's GEMM
+(which forwards over more than `FEW_ROWS` rows use); the bench checks that outputs stay identical.
+Measured on 2 AVX2 cores, default model: see the forward-cost table in the README.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+from numba import prange
+from numba.core import types
+from numba.extending import intrinsic
+
+from . import attention
+
+FEW_ROWS = 12  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
+NO_BIAS = np.zeros(0, dtype=np.float32)
+
+
+@intrinsic
+def _float_bits(typingctx, bits):
+    """The float32 whose bits are `bits` (uint32)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+    return types.float32(types.uint32), codegen
+
+
+@numba.njit(inline="always", fastmath=True, cache=True, boundscheck=False)
+def _project_row(w, even, odd, out, n):
+    """out[r, n] = x[r] . w for every row r, where x's even and odd columns come apart (even, odd [rows, K/2])
+    and w [K/2] (uint32) holds two bfloat16 weights per element: an even column's in the low 16 bits."""
+    half, rows = w.shape[0], even.shape[0]
+    r = 0
+    while r + 4 <= rows:  # four rows share each widened pair
+        e0, e1, e2, e3 = even[r], even[r + 1], even[r + 2], even[r + 3]
+        o0, o1, o2, o3 = odd[r], odd[r + 1], odd[r + 2], odd[r + 3]
+        t0 = t1 = t2 = t3 = np.float32(0.0)
+        for j in range(half):
+            pair = w[j]
+            low, high = _float_bits(pair << 16), _float_bits(pair & 0xFFFF0000)
+            t0 += low * e0[j] + high * o0[j]
+            t1 += low * e1[j] + high * o1[j]
+            t2 += low * e2[j] + high * o2[j]
+            t3 += low * e3[j] + high * o3[j]
+        out[r, n], out[r + 1, n], out[r + 2, n], out[r + 3, n] = t0, t1, t2, t3
+        r += 4
+    while r < rows:  # the rest one by one (decoding: the whole forward)
+        e, o = even[r], odd[r]
+        total = np.float32(0.0)
+        for j in range(half):
+            pair = w[j]
+            total += _float_bits(pair << 16) * e[j] + _float_bits(pair & 0xFFFF0000) * o[j]
+        out[r, n] = total
+        r += 1
+
+
+@numba.njit(inline="always", fastmath=True, cache=True, boundscheck=False)
+def _split(x, norm, eps):
+    """x's even and odd columns apart, each row RMS-normalised and times `norm` first when norm has entries."""
+    rows, size = x.shape
+    even = np.empty((rows, size // 2), dtype=np.float32)
+    odd = np.empty((rows, size // 2), dtype=np.float32)
+    for r in range(rows):
+        scale = np.float32(1.0)
+        if norm.shape[0]:
+            total = np.float32(0.0)
+            for i in range(size):
+                total += x[r, i] * x[r, i]
+            scale = np.float32(1.0) / np.sqrt(total / np.float32(size) + eps)
+        for j in range(size // 2):
+            even[r, j] = x[r, 2 * j] * scale * (norm[2 * j] if norm.shape[0] else np.float32(1.0))
+            odd[r, j] = x[r, 2 * j + 1] * scale * (norm[2 * j + 1] if norm.shape[0] else np.float32(1.0))
+    return even, odd
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
+def _linear(x, norm, eps, weight):
+    """rms_norm(x) (when norm has entries, else x) times the transposed 16-bit weight [N, K/2]: [rows, N]."""
+    even, odd = _split(x, norm, eps)
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    for n in prange(weight.shape[0]):
+        _project_row(weight[n], even, odd, out, n)
+    return out
+
+
+@numba.njit(fastmath=True, cache=True, boundscheck=False)
+def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
+    """The fused q/k/v projection of rms_norm(x), plus bias when it has entries, its first `rotated` columns (the
+    q and k heads) turned pair by pair by rotary [rows, dim/2, 2] (cos, sin of each row's position)."""
+    qkv = _linear(x, norm, eps, weight)
+    rows, size = qkv.shape
+    if bias.shape[0]:
+        for r in range(rows):
+            for n in range(size):
+                qkv[r, n] += bias[n]
+    half = rotary.shape[1]
+    for r in range(rows):
+        for p in range(rotated // 2):
+            cos, sin = rotary[r, p % half, 0], rotary[r, p % half, 1]
+            a, b = qkv[r, 2 * p], qkv[r, 2 * p + 1]
+            qkv[r, 2 * p] = a * cos - b * sin
+            qkv[r, 2 * p + 1] = a * sin + b * cos
+    return qkv
+
+
+@numba.njit(fastmath=True, cache=True, boundscheck=False)
+def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, down_weight):
+    """x += attended @ W_o.T, then x += down(silu(gate) * up) of rms_norm(x), in place."""
+    rows, size = x.shape
+    x += _linear(attended, NO_BIAS, eps, o_weight)
+    gate_up = _linear(x, norm, eps, gate_up_weight)
+    inner = gate_up.shape[1] // 2
+    for r in range(rows):
+        for i in range(inner):
+            gate = gate_up[r, i]
+            gate_up[r, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[r, inner + i]
+    x += _linear(gate_up[:, :inner], NO_BIAS, eps, down_weight)
+
+
+def exact(weight: torch.Tensor) -> bool:
+    """True when `weight` (2-D float32 on the CPU, an even number of columns) holds only bfloat16 values, so 16
+    bits of each keep all of it."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and not bool((weight.contiguous().view(torch.int32) & 0xFFFF).any()))
+
+
+def high_halves(weight: torch.Tensor) -> np.ndarray:
+    """The 16 high bits of each float32 weight (its bfloat16 value), two to a uint32: [N, K/2]."""
+    halves = (weight.contiguous().view(torch.int32) >> 16).to(torch.int16)
+    return halves.numpy().view(np.uint32)
+
+
+class Weights:
+    """A Llama-family model's weights as the kernels take them: per layer two norms, the q/k/v bias (or none) and
+    the 16-bit q/k/v, o, gate/up and down projections; then the final norm and the output layer."""
+
+    def __init__(self, norms: list[torch.Tensor], biases: list, projections: list[torch.Tensor],
+                 final_norm: torch.Tensor, head: torch.Tensor):
+        self.norms = [n.detach().float().contiguous().numpy() for n in norms]
+        self.biases = [NO_BIAS if b is None else b.detach().float().contiguous().numpy() for b in biases]
+        self.projections = [high_halves(w) for w in projections]
+        self.final_norm = final_norm.detach().float().contiguous().numpy()
+        self.head = high_halves(head)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.projections) + self.head.nbytes
+
+
+@dataclass
+class Apart:
+    """A sequence whose attention runs in PyTorch's scaled_dot_product_attention (more rows than
+    attention.FEW_ROWS: a GEMM beats the streaming kernel there): rows first.. of the batch, its cache, its mask."""
+
+    first: int
+    count: int
+    cache: object
+    mask: Optional[torch.Tensor]
+
+
+def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarray, heads: int, kv_heads: int,
+                  dim: int) -> None:
+    """Writes the sequence's new keys and values into its cache and its attention into `attended`."""
+    rows = torch.from_numpy(qkv[apart.first : apart.first + apart.count]).view(apart.count, -1, dim)
+    start = apart.cache.length
+    end = start + apart.count
+    keys, values = apart.cache.keys[layer], apart.cache.values[layer]  # [kv_heads, capacity, dim]
+    keys[:, start:end] = rows[:, heads : heads + kv_heads].transpose(0, 1)
+    values[:, start:end] = rows[:, heads + kv_heads :].transpose(0, 1)
+    out = F.scaled_dot_product_attention(rows[:, :heads].transpose(0, 1)[None], keys[None, :, :end],
+                                         values[None, :, :end], attn_mask=apart.mask, scale=1.0, enable_gqa=True)
+    attended[apart.first : apart.first + apart.count] = out[0].transpose(0, 1).numpy()
+
+
+def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Optional[torch.Tensor], score_rows: int,
+            width: int, apart: list[Apart], keep: list[int], eps: float, heads: int, kv_heads: int,
+            dim: int) -> torch.Tensor:
+    """Every layer over x [rows, hidden] (float32) with rotary [rows, 1, dim/2] (complex), then the final norm and
+    the output layer for the rows in `keep`: logits [len(keep), vocab]. The sequences in `table`
+    (attention.make_table, with `score_rows` query heads against up to `width` keys) attend in attention.py's
+    kernels, the ones `apart` in PyTorch; either way their new keys and values go into their caches."""
+    attention.match_threads()
+    rows = x.shape[0]
+    x = x.contiguous().numpy().copy()
+    turn = torch.view_as_real(rotary.reshape(rows, -1)).contiguous().numpy()  # [rows, dim/2, (cos, sin)]
+    if table is not None:
+        table_np = table.numpy()
+        scores, probabilities = attention._scratch(score_rows * width)
+        scores = scores[: score_rows * width].view(score_rows, width)
+        probabilities = probabilities[: score_rows * width].view(score_rows, width)
+    attended = np.empty((rows, heads, dim), dtype=np.float32)
+    qk_size = (heads + kv_heads) * dim
+    for layer in range(len(weights.projections) // 4):
+        qkv_w, o_w, gate_up_w, down_w = weights.projections[4 * layer : 4 * layer + 4]
+        qkv = _attention_in(x, weights.norms[2 * layer], eps, qkv_w, weights.biases[layer], turn, qk_size)
+        if table is not None:
+            qk = qkv[:, :qk_size].reshape(rows, heads + kv_heads, dim)
+            v = qkv[:, qk_size:].reshape(rows, kv_heads, dim)
+            attention._scores(qk, v, table_np, layer, heads, kv_heads, scores.numpy())
+            torch._softmax(scores, -1, False, out=probabilities)
+            attention._weighted_values(probabilities.numpy(), table_np, layer, heads, kv_heads, attended)
+        for sequence in apart:
+            _attend_apart(sequence, layer, qkv, attended, heads, kv_heads, dim)
+        _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), o_w, weights.norms[2 * layer + 1], eps,
+                               gate_up_w, down_w)
+    return torch.from_numpy(_linear(x[keep], weights.final_norm, eps, weights.head))
+
+
+@functools.cache
+def ready() -> bool:
+    """Compile (or load from numba's on-disk cache) the kernels and run them once on a tiny model; True where they
+    pay: numba has an OpenMP (or TBB) pool, as for attention.py."""
+    if not attention.ready():
+        return False
+    square = torch.ones(8, 8)  # hidden 8 = 2 heads x 4; one KV head; MLP width 8
+    weights = Weights([torch.ones(8)] * 2, [None], [torch.ones(16, 8), square, torch.ones(16, 8), square],
+                      torch.ones(8), torch.ones(4, 8))
+    keys, values = torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 4)
+    table = torch.tensor([[keys.data_ptr(), values.data_ptr(), 4, 0, 0, 1, 0]], dtype=torch.int64)
+    forward(weights, torch.ones(1, 8), torch.ones(1, 1, 2, dtype=torch.complex64), table, 2, 4, [], [0], 1e-5, 2, 1, 4)
+    return True

@@ -1,0 +1,112 @@
+"""The numba forward over few rows: the same weights read as 16 bits, the same logits as the PyTorch path."""
+
+import numpy as np
+import pytest
+import torch
+
+from codespec import attention, fewrows
+from codespec.forward import LeanLlama, Rows, TransformersForward
+from tests.tiny import tiny_arch_model
+
+
+def widened(halves: np.ndarray) -> torch.Tensor:
+    pairs = torch.from_numpy(halves.view(np.int16).astype(np.int32))
+    return (pairs << 16).view(torch.float32)
+
+
+def bfloat16_valued(kind: str):
+    return tiny_arch_model(kind, dtype=torch.bfloat16).float()  # float32 weights holding bfloat16 values
+
+
+def test_only_bfloat16_valued_float32_weights_are_kept_as_16_bits_and_nothing_is_lost():
+    weight = torch.randn(96, 64).bfloat16().float()
+    assert fewrows.exact(weight)
+    halves = fewrows.high_halves(weight)
+    assert halves.shape == (96, 32) and halves.dtype == np.uint32  # two to an element
+    assert torch.equal(widened(halves), weight)  # negative values and signs included
+    assert not fewrows.exact(torch.randn(96, 64))  # float32 values need all 32 bits
+    assert not fewrows.exact(weight.double())
+    assert not fewrows.exact(weight[:, :63])  # two weights to a uint32
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13])
+def test_the_projection_multiplies_by_the_widened_weights(rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(200, 576).bfloat16().float()
+    norm = torch.rand(576) + 0.5
+    x = torch.randn(rows, 576)
+    out = torch.from_numpy(fewrows._linear(x.numpy(), fewrows.NO_BIAS, 1e-5, fewrows.high_halves(weight)))
+    assert out.shape == (rows, 200)
+    assert (out - x.double() @ weight.double().T).abs().max().item() < 1e-4
+    normed = torch.from_numpy(fewrows._linear(x.numpy(), norm.numpy(), 1e-5, fewrows.high_halves(weight)))
+    expected = torch.rms_norm(x.double(), [576], norm.double(), 1e-5) @ weight.double().T
+    assert (normed - expected).abs().max().item() < 1e-4
+
+
+def test_rows_in_whole_blocks_of_four_and_rows_alone_are_each_summed_one_way():
+    """Rows in whole blocks of four share each widened weight; the rest (all of a one-token decode) are summed one
+    by one, in another order: the same row differs between the two by float rounding only."""
+    torch.manual_seed(0)
+    halves = fewrows.high_halves(torch.randn(300, 128).bfloat16().float())
+
+    def project(x):
+        return fewrows._linear(x.numpy(), fewrows.NO_BIAS, 1e-5, halves)
+
+    x = torch.randn(11, 128)
+    together = project(x)  # rows 0-7 in two blocks, 8-10 one by one
+    alone = np.concatenate([project(x[i : i + 1]) for i in range(11)])
+    assert np.array_equal(alone[8:], together[8:])
+    assert np.array_equal(project(x[4:8]), together[4:8])
+    assert np.array_equal(project(x[8:]), together[8:])
+    assert np.abs(alone - together).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_bfloat16_valued_model_runs_few_rows_in_numba_and_gets_the_pytorch_results(kind, monkeypatch):
+    model = bfloat16_valued(kind)
+    lean, plain = LeanLlama(model), LeanLlama(model)
+    assert fewrows.ready()  # numba's OpenMP pool is on this machine (Debian's libgomp1)
+    assert lean.fewrows is not None and len(lean.fewrows.projections) == 4 * model.config.num_hidden_layers
+    plain.fewrows = None  # the same forward in PyTorch: oneDNN's GEMM over the float32 weights
+    calls = []
+    original = fewrows.forward
+    monkeypatch.setattr(fewrows, "forward", lambda weights, x, *rest: calls.append(x.shape[0]) or
+                        original(weights, x, *rest))
+    cache, plain_cache = lean.new_cache(), plain.new_cache()
+    prompt = list(range(3, 40))  # more rows than fewrows.FEW_ROWS: PyTorch
+    assert torch.equal(lean(cache, prompt, 2), plain(plain_cache, prompt, 2))
+    assert calls == []
+    for ids in ([7], [8, 9, 10], [11, 12, 13, 14, 15, 16]):  # decoding, a short verify, one past attention's kernel
+        got, want = lean(cache, ids, len(ids)), plain(plain_cache, ids, len(ids))
+        assert (got - want).abs().max().item() < 1e-4
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert calls == [1, 3, 6]
+    for written, expected in ((cache.keys, plain_cache.keys), (cache.values, plain_cache.values)):
+        assert (written[:, :, : cache.length] - expected[:, :, : cache.length]).abs().max().item() < 1e-4
+    reference = TransformersForward(model)  # and transformers agrees to float32 rounding
+    history = prompt + list(range(7, 17))
+    assert (lean(cache, [17], 1) - reference(reference.new_cache(), history + [17], 1)).abs().max() < 1e-2
+
+
+def test_a_batch_mixing_kernel_and_pytorch_attention_gives_each_sequence_its_own_logits():
+    model = bfloat16_valued("llama")
+    lean, plain = LeanLlama(model), LeanLlama(model)
+    plain.fewrows = None
+    prompts = [list(range(3, 60)), [5, 6, 7], list(range(50, 300))]
+    caches, plain_caches = [lean.new_cache() for _ in prompts], [plain.new_cache() for _ in prompts]
+    for prompt, cache, plain_cache in zip(prompts, caches, plain_caches):
+        lean(cache, prompt, 1)
+        plain(plain_cache, prompt, 1)
+    fed = [[41], [8, 9, 10, 11, 12, 13], [61, 62]]  # 9 rows: the middle one past attention.FEW_ROWS
+    assert sum(map(len, fed)) <= fewrows.FEW_ROWS and max(map(len, fed)) > attention.FEW_ROWS
+    batched = lean.batch([Rows(cache, ids, len(ids)) for cache, ids in zip(caches, fed)])
+    for cache, plain_cache, ids, got in zip(caches, plain_caches, fed, batched):
+        want = plain(plain_cache, ids, len(ids))
+        assert (got - want).abs().max().item() < 1e-4
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert cache.length == plain_cache.length
+
+
+def test_models_with_full_float32_weights_keep_the_pytorch_path():
+    assert LeanLlama(tiny_arch_model("llama", dtype=torch.float32)).fewrows is None
+    assert LeanLlama(tiny_arch_model("llama")).fewrows is None  # float64
