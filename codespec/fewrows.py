@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from . import attention
 
-FEW_ROWS = 12  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
+FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
 NO_BIAS = np.zeros(0, dtype=np.float32)
 
 

@@ -46,8 +46,8 @@ def test_forward_costs_table_on_the_tiny_model():
     lean, wide, _, bf16 = data["rows"]
     assert abs(lean["floor_ms"] * 2 - wide["floor_ms"]) < 0.02  # it reads 16 bits of each weight: half the bytes
     assert abs(bf16["floor_ms"] - lean["floor_ms"]) < 0.02
-    assert data["reads_16_bits_up_to"] == 12
+    assert data["reads_16_bits_up_to"] == 16
     shares = data["profile"][0]["shares"]
     assert set(shares) == {"weight matmuls", "attention", "other kernels", "numba, python, gaps"}
     assert abs(sum(shares.values()) - 1) < 0.05
-    assert "up to k=12 in numba" in format_forward_costs(data)
+    assert "up to k=16 in numba" in format_forward_costs(data)
