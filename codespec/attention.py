@@ -18,7 +18,9 @@ in any batch gets the same attention, and it matches PyTorch's to float rounding
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import threading
 
 import numba
@@ -221,5 +223,28 @@ def ready() -> bool:
     qkv = torch.randn(2, 3, 4)
     out = torch.empty(2, 1, 4)
     entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 8, 0, 3, 2, 0]], dtype=torch.int64)
-    cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 5)
+    with compiling_notice():
+        cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 5)
     return numba.threading_layer() in ("omp", "tbb")
+
+
+_NOTICED = threading.Event()
+
+
+@contextlib.contextmanager
+def compiling_notice(seconds: float = 1.0):
+    """One line on stderr, once per process, when loading the kernels takes longer than `seconds`: the first use
+    on a machine compiles them (about 18 s on 2 cores for attention.py and fewrows.py together; then they load
+    from numba's on-disk cache in well under a second)."""
+    def say():
+        if not _NOTICED.is_set():
+            _NOTICED.set()
+            print("codespec: compiling the CPU kernels (numba, once per machine, about 20 s)", file=sys.stderr,
+                  flush=True)
+    timer = threading.Timer(seconds, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

@@ -88,3 +88,16 @@ def test_with_the_kernel_a_batch_gives_each_sequence_what_pytorch_attention_give
         for want, got in zip(expected, batched):
             assert (got - want).abs().max().item() < 1e-4
             assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_slow_first_compile_is_announced_once(capsys, monkeypatch):
+    import time
+
+    monkeypatch.setattr(attention, "_NOTICED", __import__("threading").Event())
+    with attention.compiling_notice(seconds=0.0):
+        time.sleep(0.2)
+    with attention.compiling_notice(seconds=0.0):
+        time.sleep(0.2)
+    with attention.compiling_notice(seconds=5.0):  # done before the notice is due: nothing said
+        pass
+    assert capsys.readouterr().err.count("compiling the CPU kernels") == 1
