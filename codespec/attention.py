@@ -23,9 +23,12 @@ import functools
 import sys
 import threading
 
+from typing import Optional
+
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
@@ -156,6 +159,21 @@ def _weighted_values(weights, table, layer, heads, kv_heads, out):
                 for d in range(dim):
                     o[d] += w0 * v0[d]
             j += 1
+
+
+def attend_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """PyTorch's attention for one sequence with many rows (a prompt chunk, a long draft): writes k and v
+    [count, kv_heads, dim] into the cache (keys, values [kv_heads, capacity, dim]) at start.., then returns the
+    grouped-query attention of q [count, heads, dim] against the cache in place, [count, heads * dim].
+    enable_gqa lets each group of query heads share its KV head without repeating the cache."""
+    count = q.shape[0]
+    end = start + count
+    keys[:, start:end] = k.transpose(0, 1)
+    values[:, start:end] = v.transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys[:, :end].unsqueeze(0),
+                                         values[:, :end].unsqueeze(0), attn_mask=mask, scale=1.0, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(count, -1)
 
 
 def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor, layer: int,

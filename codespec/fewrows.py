@@ -27,7 +27,6 @@ from typing import Optional
 import numba
 import numpy as np
 import torch
-import torch.nn.functional as F
 from numba import prange
 from numba.core import types
 from numba.extending import intrinsic
@@ -35,7 +34,7 @@ from numba.extending import intrinsic
 from . import attention
 
 FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
-NO_BIAS = np.zeros(0, dtype=np.float32)
+EMPTY = np.zeros(0, dtype=np.float32)  # no bias, no norm
 
 
 @intrinsic
@@ -127,15 +126,15 @@ def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
 @numba.njit(fastmath=True, cache=True, boundscheck=False)
 def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, down_weight):
     """x += attended @ W_o.T, then x += down(silu(gate) * up) of rms_norm(x), in place."""
-    rows, size = x.shape
-    x += _linear(attended, NO_BIAS, eps, o_weight)
+    rows = x.shape[0]
+    x += _linear(attended, EMPTY, eps, o_weight)
     gate_up = _linear(x, norm, eps, gate_up_weight)
     inner = gate_up.shape[1] // 2
     for r in range(rows):
         for i in range(inner):
             gate = gate_up[r, i]
             gate_up[r, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[r, inner + i]
-    x += _linear(gate_up[:, :inner], NO_BIAS, eps, down_weight)
+    x += _linear(gate_up[:, :inner], EMPTY, eps, down_weight)
 
 
 def exact(weight: torch.Tensor) -> bool:
@@ -158,14 +157,10 @@ class Weights:
     def __init__(self, norms: list[torch.Tensor], biases: list, projections: list[torch.Tensor],
                  final_norm: torch.Tensor, head: torch.Tensor):
         self.norms = [n.detach().float().contiguous().numpy() for n in norms]
-        self.biases = [NO_BIAS if b is None else b.detach().float().contiguous().numpy() for b in biases]
+        self.biases = [EMPTY if b is None else b.detach().float().contiguous().numpy() for b in biases]
         self.projections = [high_halves(w) for w in projections]
         self.final_norm = final_norm.detach().float().contiguous().numpy()
         self.head = high_halves(head)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.projections) + self.head.nbytes
 
 
 @dataclass
@@ -181,16 +176,12 @@ class Apart:
 
 def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarray, heads: int, kv_heads: int,
                   dim: int) -> None:
-    """Writes the sequence's new keys and values into its cache and its attention into `attended`."""
+    """The sequence's attention in PyTorch (which also writes its new keys and values) into `attended`."""
     rows = torch.from_numpy(qkv[apart.first : apart.first + apart.count]).view(apart.count, -1, dim)
-    start = apart.cache.length
-    end = start + apart.count
-    keys, values = apart.cache.keys[layer], apart.cache.values[layer]  # [kv_heads, capacity, dim]
-    keys[:, start:end] = rows[:, heads : heads + kv_heads].transpose(0, 1)
-    values[:, start:end] = rows[:, heads + kv_heads :].transpose(0, 1)
-    out = F.scaled_dot_product_attention(rows[:, :heads].transpose(0, 1)[None], keys[None, :, :end],
-                                         values[None, :, :end], attn_mask=apart.mask, scale=1.0, enable_gqa=True)
-    attended[apart.first : apart.first + apart.count] = out[0].transpose(0, 1).numpy()
+    out = attention.attend_in_place(rows[:, :heads], rows[:, heads : heads + kv_heads], rows[:, heads + kv_heads :],
+                                    apart.cache.keys[layer], apart.cache.values[layer], apart.cache.length,
+                                    apart.mask)
+    attended[apart.first : apart.first + apart.count] = out.view(apart.count, heads, dim).numpy()
 
 
 def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Optional[torch.Tensor], score_rows: int,

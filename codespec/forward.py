@@ -290,28 +290,20 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
             qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rotary).to(qkv.dtype).flatten(2)
         else:
             qk = torch.view_as_real(torch.view_as_complex(qk) * rotary).flatten(2)  # [rows, heads + kv_heads, dim]
-        attention = torch.empty((x.shape[0], heads * dim), dtype=x.dtype, device=x.device)
+        attended = torch.empty((x.shape[0], heads * dim), dtype=x.dtype, device=x.device)
         row = 0
         v = qkv[:, (heads + kv_heads) * dim :].view(x.shape[0], kv_heads, dim)
         for s in range(len(counts)):
-            start, count = starts[s], counts[s]
-            end = start + count
+            count = counts[s]
             if not few[s]:
-                qk_s, v_s = qk[row : row + count], v[row : row + count]
-                keys, values = keys_all[s][index], values_all[s][index]  # [kv_heads, capacity, dim]
-                keys[:, start:end] = qk_s[:, heads:].transpose(0, 1)
-                values[:, start:end] = v_s.transpose(0, 1)
-                # grouped-query attention against the cache in place: enable_gqa lets each group of query heads
-                # share its KV head without repeating the cache
-                q = qk_s[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, heads, count, dim]
-                out = F.scaled_dot_product_attention(q, keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0),
-                                                     attn_mask=masks[s], scale=1.0, enable_gqa=True)
-                attention[row : row + count] = out[0].transpose(0, 1).reshape(count, heads * dim)
+                attended[row : row + count] = attention.attend_in_place(
+                    qk[row : row + count, :heads], qk[row : row + count, heads:], v[row : row + count],
+                    keys_all[s][index], values_all[s][index], starts[s], masks[s])
             row += count
         if table is not None:  # the others write their keys and values and attend in one call
-            torch.ops.codespec.cached_attention(qk, v, attention.view(x.shape[0], heads, dim), table, index, heads,
+            torch.ops.codespec.cached_attention(qk, v, attended.view(x.shape[0], heads, dim), table, index, heads,
                                                 kv_heads, score_rows, width)
-        x = x + project(attention, o_w, packed, None)
+        x = x + project(attended, o_w, packed, None)
         h = torch.rms_norm(x, [hidden], norm2, eps)
         gate, up = project(h, gate_up_w, packed, None).chunk(2, dim=-1)
         x = x + project(F.silu(gate).mul_(up), down_w, packed, None)

@@ -35,7 +35,7 @@ def test_the_projection_multiplies_by_the_widened_weights(rows):
     weight = torch.randn(200, 576).bfloat16().float()
     norm = torch.rand(576) + 0.5
     x = torch.randn(rows, 576)
-    out = torch.from_numpy(fewrows._linear(x.numpy(), fewrows.NO_BIAS, 1e-5, fewrows.high_halves(weight)))
+    out = torch.from_numpy(fewrows._linear(x.numpy(), fewrows.EMPTY, 1e-5, fewrows.high_halves(weight)))
     assert out.shape == (rows, 200)
     assert (out - x.double() @ weight.double().T).abs().max().item() < 1e-4
     normed = torch.from_numpy(fewrows._linear(x.numpy(), norm.numpy(), 1e-5, fewrows.high_halves(weight)))
@@ -50,7 +50,7 @@ def test_rows_in_whole_blocks_of_four_and_rows_alone_are_each_summed_one_way():
     halves = fewrows.high_halves(torch.randn(300, 128).bfloat16().float())
 
     def project(x):
-        return fewrows._linear(x.numpy(), fewrows.NO_BIAS, 1e-5, halves)
+        return fewrows._linear(x.numpy(), fewrows.EMPTY, 1e-5, halves)
 
     x = torch.randn(11, 128)
     together = project(x)  # rows 0-7 in two blocks, 8-10 one by one
