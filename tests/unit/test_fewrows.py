@@ -43,9 +43,9 @@ def test_the_projection_multiplies_by_the_widened_weights(rows):
     assert (normed - expected).abs().max().item() < 1e-4
 
 
-def test_rows_in_whole_blocks_of_four_and_rows_alone_are_each_summed_one_way():
-    """Rows in whole blocks of four share each widened weight; the rest (all of a one-token decode) are summed one
-    by one, in another order: the same row differs between the two by float rounding only."""
+def test_rows_in_blocks_of_four_then_two_then_one_are_each_summed_one_way():
+    """Rows in whole blocks of four share each widened weight, then two of the rest together, then the last alone
+    (all of a one-token decode), each in its own order: the same row differs between them by float rounding only."""
     torch.manual_seed(0)
     halves = fewrows.high_halves(torch.randn(300, 128).bfloat16().float())
 
@@ -53,10 +53,11 @@ def test_rows_in_whole_blocks_of_four_and_rows_alone_are_each_summed_one_way():
         return fewrows._linear(x.numpy(), fewrows.EMPTY, 1e-5, halves)
 
     x = torch.randn(11, 128)
-    together = project(x)  # rows 0-7 in two blocks, 8-10 one by one
+    together = project(x)  # rows 0-7 in two blocks of four, 8-9 as a pair, 10 alone
     alone = np.concatenate([project(x[i : i + 1]) for i in range(11)])
-    assert np.array_equal(alone[8:], together[8:])
+    assert np.array_equal(alone[10:], together[10:])
     assert np.array_equal(project(x[4:8]), together[4:8])
+    assert np.array_equal(project(x[8:10]), together[8:10])
     assert np.array_equal(project(x[8:]), together[8:])
     assert np.abs(alone - together).max() < 1e-4
 
