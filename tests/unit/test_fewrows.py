@@ -45,7 +45,8 @@ def test_the_projection_multiplies_by_the_widened_weights(rows):
 
 def test_rows_in_blocks_of_four_then_two_then_one_are_each_summed_one_way():
     """Rows in whole blocks of four share each widened weight, then two of the rest together, then the last alone
-    (all of a one-token decode), each in its own order: the same row differs between them by float rounding only."""
+    (all of a one-token decode), each in its own order: the same row differs between them by float rounding only.
+    Past 8 rows the columns go in blocks of 16 (300 here: the last block is short), with the same sums."""
     torch.manual_seed(0)
     halves = fewrows.high_halves(torch.randn(300, 128).bfloat16().float())
 
