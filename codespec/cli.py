@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, SPEC_CHOICES, ModelConfig, SamplingParams,
-                     ServerConfig, SpecConfig, unknown_drafters)
+from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, SPEC_CHOICES, WEIGHTS_CHOICES, ModelConfig,
+                     SamplingParams, ServerConfig, SpecConfig, unknown_drafters)
 from .errors import CodespecError
 
 
@@ -50,6 +50,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="auto (default: float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16")
     parser.add_argument("--forward", choices=FORWARD_CHOICES,
                         help="lean (default: own Llama forward, static KV cache) or transformers")
+    parser.add_argument("--weights", choices=WEIGHTS_CHOICES,
+                        help="checkpoint (default: the converted model, bfloat16 values in float32) or gguf (the "
+                             "GGUF's own Q4_1/Q8_0 blocks, as llama-server reads them: CPU, lean forward)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,7 +218,7 @@ def run_bench(args) -> int:
         peer = Peer(args.llama_server, gguf_for(args.model),
                     args.llama_server_threads or torch.get_num_threads(),
                     [t.strip() for t in args.llama_server_spec_types.split(",") if t.strip()])
-    engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype", "forward")
+    engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype", "forward", "weights")
                                         if getattr(args, name) is not None}))
     configs = [c for c in runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max),
                                                engine.model.config.num_hidden_layers) if c.name in wanted]
@@ -392,7 +395,7 @@ def run_lsp(args) -> int:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise CodespecError(f"--tcp wants HOST:PORT, got {args.tcp!r}")
         tcp = (host, int(port))
-    given = {name: getattr(args, name) for name in ("model", "device", "dtype", "forward")
+    given = {name: getattr(args, name) for name in ("model", "device", "dtype", "forward", "weights")
              if getattr(args, name) is not None}
     try:
         model_config = ModelConfig(**given)
@@ -405,8 +408,8 @@ def run_lsp(args) -> int:
         if not server_url.startswith(("http://", "https://")):
             raise CodespecError(f"--server wants an http:// or https:// URL, got {args.server!r}")
         if given:
-            raise CodespecError("--server generates on that server's model: leave out --model, --device, --dtype "
-                                "and --forward")
+            raise CodespecError("--server generates on that server's model: leave out --model, --device, --dtype, "
+                                "--forward and --weights")
     serve(model_config, model_fixed=args.model is not None, tcp=tcp, server_url=server_url,
           api_key=args.api_key or None, cache_reuse=args.cache_reuse)
     return 0

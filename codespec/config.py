@@ -15,6 +15,7 @@ SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-
                 "edit-align")
 MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the draftless ones are cheaper
 FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers for non-Llama models
+WEIGHTS_CHOICES = ("checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py)
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
 MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)
@@ -128,11 +129,14 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: str = "auto"  # auto = float32 on cpu (exact), bfloat16 on cuda
     forward: str = "lean"  # lean: own Llama forward with a static KV cache; transformers: the model's own
+    weights: str = "checkpoint"  # checkpoint: the converted model's (bfloat16 values); gguf: the GGUF's own blocks
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
     def validate(self) -> None:
         if self.forward not in FORWARD_CHOICES:
             raise ValueError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARD_CHOICES)}")
+        if self.weights not in WEIGHTS_CHOICES:
+            raise ValueError(f"unknown weights {self.weights!r}; choose from {', '.join(WEIGHTS_CHOICES)}")
 
 
 SESSION_MEMORY = 2 << 30  # bytes of KV cache that named sessions may hold before the idlest are evicted (LRU)

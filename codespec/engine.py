@@ -9,6 +9,7 @@ import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from .adaptive import Adaptive, CostModel, ModelDrafting, cached_costs, pinned_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
@@ -72,10 +73,11 @@ class Engine:
     forward: str = "lean"  # see ModelConfig.forward
     session_memory: int = SESSION_MEMORY  # KV-cache bytes named sessions may hold; evict() drops the idlest
     cache_reuse: int = 0  # > 0: reuse cached chunks of at least this many tokens at new positions (Session.prepare)
+    gguf: Path | None = None  # --weights gguf: the lean forward runs this file's own blocks (quantized.py)
 
     def __post_init__(self):
         self.spec.validate()
-        self.path = forward_path(self.model, lean=self.forward == "lean")  # the target forward, all sessions
+        self.path = forward_path(self.model, lean=self.forward == "lean", gguf=self.gguf)  # the target forward, all sessions
         check_forward(self.path, self.model)
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
@@ -89,12 +91,13 @@ class Engine:
     @classmethod
     def load(cls, model_config: ModelConfig | None = None, spec: SpecConfig | None = None,
              show_progress: bool = True) -> "Engine":
-        from .models import load
+        from .models import gguf_source, load
 
         model_config = model_config or ModelConfig()
         model_config.validate()
+        gguf = gguf_source(model_config.model) if model_config.weights == "gguf" else None
         model, tokenizer = load(model_config, show_progress=show_progress)
-        return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward)
+        return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf)
 
     @property
     def context_length(self) -> int:

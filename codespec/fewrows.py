@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from numba import prange
 from numba.core import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from . import attention
+from . import attention, quantized
 
 FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
 EMPTY = np.zeros(0, dtype=np.float32)  # no bias, no norm
@@ -136,11 +136,29 @@ def _linear(x, norm, eps, weight):
     return out
 
 
+def _project(x, norm, eps, weight):
+    """rms_norm(x) (when norm has entries, else x) times the weight: 16 bits in an array (_linear), or a GGUF's
+    blocks (quantized.linear's tuple)."""
+
+
+@overload(_project, jit_options={"cache": True})
+def _project_by_format(x, norm, eps, weight):
+    if isinstance(weight, types.Array):
+        return lambda x, norm, eps, weight: _linear(x, norm, eps, weight)
+    return lambda x, norm, eps, weight: quantized.linear(x, norm, eps, weight)
+
+
+@numba.njit(cache=True)
+def _output(x, norm, eps, weight):
+    """The output layer (from Python)."""
+    return _project(x, norm, eps, weight)
+
+
 @numba.njit(fastmath=True, cache=True, boundscheck=False)
 def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
     """The fused q/k/v projection of rms_norm(x), plus bias when it has entries, its first `rotated` columns (the
     q and k heads) turned pair by pair by rotary [rows, dim/2, 2] (cos, sin of each row's position)."""
-    qkv = _linear(x, norm, eps, weight)
+    qkv = _project(x, norm, eps, weight)
     rows, size = qkv.shape
     if bias.shape[0]:
         for r in range(rows):
@@ -160,14 +178,14 @@ def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
 def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, down_weight):
     """x += attended @ W_o.T, then x += down(silu(gate) * up) of rms_norm(x), in place."""
     rows = x.shape[0]
-    x += _linear(attended, EMPTY, eps, o_weight)
-    gate_up = _linear(x, norm, eps, gate_up_weight)
+    x += _project(attended, EMPTY, eps, o_weight)
+    gate_up = _project(x, norm, eps, gate_up_weight)
     inner = gate_up.shape[1] // 2
     for r in range(rows):
         for i in range(inner):
             gate = gate_up[r, i]
             gate_up[r, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[r, inner + i]
-    x += _linear(gate_up[:, :inner], EMPTY, eps, down_weight)
+    x += _project(gate_up[:, :inner], EMPTY, eps, down_weight)
 
 
 def exact(weight: torch.Tensor) -> bool:
@@ -185,15 +203,20 @@ def high_halves(weight: torch.Tensor) -> np.ndarray:
 
 class Weights:
     """A Llama-family model's weights as the kernels take them: per layer two norms, the q/k/v bias (or none) and
-    the 16-bit q/k/v, o, gate/up and down projections; then the final norm and the output layer."""
+    the q/k/v, o, gate/up and down projections; then the final norm and the output layer. Each projection is a
+    float32 tensor of bfloat16 values (kept as 16 bits) or a GGUF's blocks (quantized.Blocks)."""
 
-    def __init__(self, norms: list[torch.Tensor], biases: list, projections: list[torch.Tensor],
-                 final_norm: torch.Tensor, head: torch.Tensor):
+    def __init__(self, norms: list[torch.Tensor], biases: list, projections: list,
+                 final_norm: torch.Tensor, head):
         self.norms = [n.detach().float().contiguous().numpy() for n in norms]
         self.biases = [EMPTY if b is None else b.detach().float().contiguous().numpy() for b in biases]
-        self.projections = [high_halves(w) for w in projections]
+        self.projections = [_kernel_weight(w) for w in projections]
         self.final_norm = final_norm.detach().float().contiguous().numpy()
-        self.head = high_halves(head)
+        self.head = _kernel_weight(head)
+
+
+def _kernel_weight(weight):
+    return weight.weight() if isinstance(weight, quantized.Blocks) else high_halves(weight)
 
 
 @dataclass
@@ -248,7 +271,7 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
             _attend_apart(sequence, layer, qkv, attended, heads, kv_heads, dim)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), o_w, weights.norms[2 * layer + 1], eps,
                                gate_up_w, down_w)
-    return torch.from_numpy(_linear(x[keep], weights.final_norm, eps, weights.head))
+    return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
 
 
 @functools.cache

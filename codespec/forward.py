@@ -28,6 +28,7 @@ import itertools
 import math
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional, Union
 
 import torch
@@ -35,7 +36,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from . import attention, fewrows
+from . import attention, fewrows, quantized
+from .errors import CodespecError
 
 
 @dataclass
@@ -118,7 +120,7 @@ class LeanLlama:
     rewindable = True  # crop() only moves the length
 
     @torch.no_grad()
-    def __init__(self, model):
+    def __init__(self, model, gguf: Optional[Path] = None):
         config = model.config
         self.config = config
         self.heads = config.num_attention_heads
@@ -128,16 +130,22 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self.dtype = model.dtype
         self.device = model.device
-        inner = model.model
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.lm_head = Linear(model.lm_head.weight)
         half = self.head_dim // 2
         # Rotary embedding as a complex multiply needs each rotated pair adjacent: reorder the rows of the
         # q and k projections within every head from (0..half-1, half..dim-1) to interleaved pairs. Scores
         # q.k are unchanged because q and k are reordered alike. The 1/sqrt(head_dim) scale goes into W_q.
         order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
         scale = 1.0 / math.sqrt(self.head_dim)
+        blocks = None  # --weights gguf: the file's own blocks, whose values replace the model's weights first
+        if gguf is not None:
+            if self.device.type != "cpu" or self.dtype != torch.float32 or not fewrows.ready():
+                raise CodespecError("--weights gguf runs on CPUs in float32 (--device cpu --dtype float32), with "
+                                    "numba's OpenMP pool (the system's libgomp)")
+            blocks = quantized.read_gguf(gguf, model, order, scale)
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = Linear(model.lm_head.weight)
         self.weights: list[torch.Tensor] = []  # per layer: norm1, qkv, o, norm2, gate_up, down
         self.biases: list[Optional[torch.Tensor]] = []  # per layer: the fused q/k/v bias (Qwen2), else None
         projections: list[torch.Tensor] = []  # per layer: the fused q/k/v, o, fused gate/up and down weights
@@ -154,10 +162,14 @@ class LeanLlama:
             projections += [linear.weight for linear in linears]
         self.packed = self.lm_head.packed is not None
         # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (fewrows.py)
+        # or, with --weights gguf, reading the GGUF's own 4- and 8-bit blocks (quantized.py)
         self.fewrows = None
-        if all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
-            norms = [norm for layer in inner.layers for norm in (layer.input_layernorm.weight,
-                                                                 layer.post_attention_layernorm.weight)]
+        norms = [norm for layer in inner.layers for norm in (layer.input_layernorm.weight,
+                                                             layer.post_attention_layernorm.weight)]
+        if blocks is not None:
+            self.fewrows = fewrows.Weights(norms, self.biases, [b for layer in blocks["layers"] for b in layer],
+                                           self.norm, blocks["head"])
+        elif all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
             self.fewrows = fewrows.Weights(norms, self.biases, projections, self.norm, self.lm_head.weight)
         self.few_rows_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and attention.ready()
         self.run_layers = compiled_layers()
@@ -397,8 +409,12 @@ class TransformersForward:
         return [self(r.cache, r.ids, r.keep) for r in rows]
 
 
-def forward_path(model, lean: bool = True):
-    """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward."""
+def forward_path(model, lean: bool = True, gguf: Optional[Path] = None):
+    """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
+    run the lean path on that file's own blocks (--weights gguf), which only it can."""
     if lean and LeanLlama.supports(model) is None:
-        return LeanLlama(model)
+        return LeanLlama(model, gguf)
+    if gguf is not None:
+        why = LeanLlama.supports(model) if lean else "--forward transformers"
+        raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
     return TransformersForward(model)

@@ -61,6 +61,18 @@ def locate_default_gguf(install: bool = True) -> Path:
     return gguf
 
 
+def gguf_source(model: str) -> Path:
+    """The GGUF that `model` (the default or a .gguf file) comes from, for --weights gguf."""
+    if model in DEFAULT_ALIASES:
+        return locate_default_gguf()
+    if model.endswith(".gguf"):
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise CodespecError(f"model file not found: {model}")
+        return path
+    raise CodespecError(f"--weights gguf reads a GGUF file: use the default model or --model FILE.gguf, not {model!r}")
+
+
 def convert_gguf(gguf: Path, target: Path, progress=None) -> Path:
     """Load a GGUF once (dequantised) and save it as a plain bf16 safetensors checkpoint in `target`.
 

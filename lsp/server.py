@@ -150,7 +150,7 @@ class CodespecServer(LanguageServer):
 
             model = self.model_config.model if self.model_fixed else self.settings.model
             config = ModelConfig(model=model, device=self.model_config.device, dtype=self.model_config.dtype,
-                                 forward=self.model_config.forward)
+                                 forward=self.model_config.forward, weights=self.model_config.weights)
             engine = Engine.load(config, settings_module.spec_config(self.settings), show_progress=False)
             engine.cache_reuse = self.cache_reuse
             self._loaded.set_result(Scheduler(engine))

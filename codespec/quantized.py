@@ -1,0 +1,316 @@
+"""A GGUF's own 4-bit and 8-bit weights in the few-row forward (`--weights gguf`): a quarter of the bytes.
+
+The default model ships as a Q4_1 GGUF (every layer's projections; the tied embedding and output layer in Q8_0),
+which is what llama-server runs. `codespec pull` stores it as bfloat16, which rounds those values; with
+`--weights gguf` codespec runs the file's own numbers instead:
+
+- **The blocks as they are.** Q4_1 keeps 32 weights as 4-bit q with a float16 scale d and minimum m
+  (w = q * d + m), Q8_0 as signed 8-bit q with a scale (w = q * d). The projections keep q as the file has it
+  (66 MB for the default model's layers, against 212 MB as 16 bits); d and m are widened to float32.
+- **The float32 weights are the same numbers.** The model's float32 parameters are overwritten with the
+  dequantised blocks (each q * d + m rounded once, as the kernel's fused multiply-add rounds it), so forwards over
+  more rows (prompts, long verifies in PyTorch) and the kernel multiply by the same weights. A q/k scale that is
+  not a power of two (head_dim not a power of 4) rounds the kernel's q weights once more than PyTorch's.
+- **Kernels in LLVM IR.** numba leaves the nibble unpacking scalar, so the kernel is written as LLVM IR with
+  explicit 16-wide vectors and compiled by llvmlite (numba's own LLVM, a wheel: no compiler) for this CPU when
+  the model loads (0.1 s). A tile computes a few output columns for a few rows; each (row, column) is the same
+  sequence of operations in every tile: per block, w = fma(q, d, m) and two 16-lane sums a += w * x, then
+  the two sums added and halved down to one number in a fixed order. So a row's projections do not depend on
+  which rows share its forward (`tests/unit/test_quantized.py`); attention over the cache still sums a row's
+  keys in blocks that depend on the forward's width, so a verify forward's logits may differ from a one-token
+  forward's in the last bits, as on the 16-bit path.
+
+The numba driver (`linear`) runs chunks of 16 output columns per thread, rows four, then two, then one at a
+time, so that each unpacked block serves up to four rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+from numba.core import types
+from numba.extending import intrinsic
+
+from .errors import CodespecError
+
+KINDS = {"Q4_1": (16, True), "Q8_0": (32, False)}  # bytes of q per 32-weight block, whether it has a minimum
+ROWS = np.array([4, 2, 1])  # the rows of each tile, one output column each (measured: 2 or 4 columns, or 8 rows,
+# were no faster; 4 columns of the Q8_0 output layer 2.2x slower)
+CHUNK = 16  # output columns a thread takes at a time
+
+VECTOR = "<16 x float>"
+FMA = "@llvm.fma.v16f32"
+
+
+def _splat(name: str, value: str) -> str:
+    return (f"  %{name}.1 = insertelement {VECTOR} poison, float {value}, i64 0\n"
+            f"  %{name} = shufflevector {VECTOR} %{name}.1, {VECTOR} poison, <16 x i32> zeroinitializer\n")
+
+
+def _lanes(first: int, last: int) -> str:
+    return ", ".join(f"i32 {i}" for i in range(first, last))
+
+
+def _sum(name: str, a: str, b: str) -> str:
+    """%name = the 32 lanes of a and b added: a + b, then halves added down to one, in a fixed order."""
+    text, width, source = f"  %{name}.16 = fadd {VECTOR} {a}, {b}\n", 16, f"%{name}.16"
+    while width > 1:
+        half = width // 2
+        for side, lanes in (("a", _lanes(0, half)), ("b", _lanes(half, width))):
+            text += (f"  %{name}.{half}{side} = shufflevector <{width} x float> {source}, <{width} x float> poison, "
+                     f"<{half} x i32> <{lanes}>\n")
+        text += f"  %{name}.{half} = fadd <{half} x float> %{name}.{half}a, %{name}.{half}b\n"
+        source, width = f"%{name}.{half}", half
+    return text + f"  %{name} = extractelement <1 x float> %{name}.1, i64 0\n"
+
+
+def tile_ir(name: str, kind: str, columns: int, rows: int) -> str:
+    """LLVM IR of @name(x, K, q, d, m, n, N, out, r): out[r + j, n + c] = x[r + j] . w[n + c] for `rows` j and
+    `columns` c, where w's rows are blocks of `kind` (q: [N, K / 32 * bytes], d and m: [N, K / 32] float32)."""
+    block, minimum = KINDS[kind]
+    text = (f"define void @{name}(ptr noalias %x, i64 %K, ptr noalias %q, ptr noalias %d, ptr noalias %m, i64 %n, "
+            f"i64 %N, ptr noalias %out, i64 %r) {{\nentry:\n  %blocks = udiv i64 %K, 32\n"
+            f"  %row_bytes = mul i64 %blocks, {block}\n")
+    for c in range(columns):
+        text += (f"  %n{c} = add i64 %n, {c}\n  %qo{c} = mul i64 %n{c}, %row_bytes\n"
+                 f"  %q{c} = getelementptr i8, ptr %q, i64 %qo{c}\n  %so{c} = mul i64 %n{c}, %blocks\n"
+                 f"  %d{c} = getelementptr float, ptr %d, i64 %so{c}\n  %m{c} = getelementptr float, ptr %m, i64 %so{c}\n")
+    for j in range(rows):
+        text += (f"  %r{j} = add i64 %r, {j}\n  %xo{j} = mul i64 %r{j}, %K\n"
+                 f"  %x{j} = getelementptr float, ptr %x, i64 %xo{j}\n")
+    text += "  br label %loop\nloop:\n  %b = phi i64 [ 0, %entry ], [ %b.next, %loop ]\n"
+    sums = [(c, j, h) for c in range(columns) for j in range(rows) for h in (0, 1)]
+    for c, j, h in sums:
+        text += f"  %a{c}_{j}_{h} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{c}_{j}_{h}.next, %loop ]\n"
+    text += "  %xb = mul i64 %b, 32\n"
+    for j in range(rows):  # the block's 32 inputs of each row, as two halves
+        text += (f"  %xp{j}_0 = getelementptr float, ptr %x{j}, i64 %xb\n"
+                 f"  %xp{j}_1 = getelementptr float, ptr %xp{j}_0, i64 16\n"
+                 f"  %x{j}_0 = load {VECTOR}, ptr %xp{j}_0, align 4\n  %x{j}_1 = load {VECTOR}, ptr %xp{j}_1, align 4\n")
+    text += f"  %qb = mul i64 %b, {block}\n"
+    for c in range(columns):  # the block's 32 weights of each column, as two halves of 16 lanes
+        text += f"  %qp{c} = getelementptr i8, ptr %q{c}, i64 %qb\n"
+        if minimum:  # Q4_1: byte i holds weight i (low nibble) and weight 16 + i (high nibble)
+            text += (f"  %qv{c} = load <16 x i8>, ptr %qp{c}, align 1\n  %qw{c} = zext <16 x i8> %qv{c} to <16 x i32>\n"
+                     f"  %lo{c} = and <16 x i32> %qw{c}, splat (i32 15)\n  %hi{c} = lshr <16 x i32> %qw{c}, splat (i32 4)\n"
+                     f"  %q{c}_0 = uitofp <16 x i32> %lo{c} to {VECTOR}\n  %q{c}_1 = uitofp <16 x i32> %hi{c} to {VECTOR}\n")
+        else:  # Q8_0: 32 signed bytes
+            text += (f"  %qv{c} = load <32 x i8>, ptr %qp{c}, align 1\n  %qw{c} = sext <32 x i8> %qv{c} to <32 x i32>\n"
+                     f"  %qf{c} = sitofp <32 x i32> %qw{c} to <32 x float>\n"
+                     f"  %q{c}_0 = shufflevector <32 x float> %qf{c}, <32 x float> poison, <16 x i32> <{_lanes(0, 16)}>\n"
+                     f"  %q{c}_1 = shufflevector <32 x float> %qf{c}, <32 x float> poison, <16 x i32> <{_lanes(16, 32)}>\n")
+        text += f"  %dp{c} = getelementptr float, ptr %d{c}, i64 %b\n  %db{c} = load float, ptr %dp{c}, align 4\n"
+        text += _splat(f"dv{c}", f"%db{c}")
+        if minimum:
+            text += f"  %mp{c} = getelementptr float, ptr %m{c}, i64 %b\n  %mb{c} = load float, ptr %mp{c}, align 4\n"
+            text += _splat(f"mv{c}", f"%mb{c}")
+        for h in (0, 1):
+            text += (f"  %w{c}_{h} = call {VECTOR} {FMA}({VECTOR} %q{c}_{h}, {VECTOR} %dv{c}, {VECTOR} %mv{c})\n"
+                     if minimum else f"  %w{c}_{h} = fmul {VECTOR} %q{c}_{h}, %dv{c}\n")
+    for c, j, h in sums:
+        text += (f"  %a{c}_{j}_{h}.next = call {VECTOR} {FMA}({VECTOR} %w{c}_{h}, {VECTOR} %x{j}_{h}, "
+                 f"{VECTOR} %a{c}_{j}_{h})\n")
+    text += "  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n  br i1 %done, label %end, label %loop\nend:\n"
+    for c in range(columns):
+        for j in range(rows):
+            text += _sum(f"s{c}_{j}", f"%a{c}_{j}_0.next", f"%a{c}_{j}_1.next")
+            text += (f"  %oo{c}_{j} = mul i64 %r{j}, %N\n  %oi{c}_{j} = add i64 %oo{c}_{j}, %n{c}\n"
+                     f"  %op{c}_{j} = getelementptr float, ptr %out, i64 %oi{c}_{j}\n"
+                     f"  store float %s{c}_{j}, ptr %op{c}_{j}, align 4\n")
+    return text + "  ret void\n}\n"
+
+
+_ENGINES = []  # compiled code lives as long as its engine
+
+
+@functools.cache
+def tiles(kind: str) -> np.ndarray:
+    """The addresses of `kind`'s tiles (one per entry of ROWS), compiled for this CPU."""
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+    names = [f"{kind.lower()}_{rows}" for rows in ROWS]
+    source = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
+        tile_ir(name, kind, 1, rows) for name, rows in zip(names, ROWS))
+    module = llvm.parse_assembly(source)
+    module.verify()
+    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+    passes.getModulePassManager().run(module, passes)
+    engine = llvm.create_mcjit_compiler(module, machine)
+    engine.finalize_object()
+    _ENGINES.append(engine)
+    return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
+
+
+@intrinsic
+def _tile(typingctx, address, x, K, q, d, m, n, N, out, r):
+    """Call the tile at `address` (pointers passed as integers)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        pointer, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
+        function = ir.FunctionType(ir.VoidType(), [pointer, i64, pointer, pointer, pointer, i64, i64, pointer, i64])
+        callee = builder.inttoptr(args[0], function.as_pointer())
+        as_pointer = lambda value: builder.inttoptr(value, pointer)  # noqa: E731
+        builder.call(callee, [as_pointer(args[1]), args[2], as_pointer(args[3]), as_pointer(args[4]),
+                              as_pointer(args[5]), args[6], args[7], as_pointer(args[8]), args[9]])
+        return context.get_dummy_value()
+    return types.void(address, x, K, q, d, m, n, N, out, r), codegen
+
+
+@numba.njit(fastmath=True, cache=True, boundscheck=False)
+def _normed(x, norm, eps):
+    """x's rows RMS-normalised and times `norm` (when norm has entries; else a contiguous copy of x)."""
+    rows, size = x.shape
+    out = np.empty((rows, size), dtype=np.float32)
+    for r in range(rows):
+        scale = np.float32(1.0)
+        if norm.shape[0]:
+            total = np.float32(0.0)
+            for i in range(size):
+                total += x[r, i] * x[r, i]
+            scale = np.float32(1.0) / np.sqrt(total / np.float32(size) + eps)
+        for i in range(size):
+            out[r, i] = x[r, i] * scale * (norm[i] if norm.shape[0] else np.float32(1.0))
+    return out
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False)
+def linear(x, norm, eps, weight):
+    """rms_norm(x) (when norm has entries, else x) times the transposed block weight (q, d, m, tiles): [rows, N]."""
+    q, d, m, tile = weight
+    xn = _normed(x, norm, eps)
+    rows, size = xn.shape
+    outputs = q.shape[0]
+    out = np.empty((rows, outputs), dtype=np.float32)
+    for chunk in prange((outputs + CHUNK - 1) // CHUNK):
+        # the addresses are taken here, in the loop: taken before it, numba may free xn once they are read
+        X, Q, D, M, O = xn.ctypes.data, q.ctypes.data, d.ctypes.data, m.ctypes.data, out.ctypes.data
+        r = 0
+        while r < rows:
+            t = 0
+            while ROWS[t] > rows - r:  # the most rows that fit: they share each unpacked block
+                t += 1
+            for n in range(chunk * CHUNK, min(outputs, chunk * CHUNK + CHUNK)):
+                _tile(tile[t], X, size, Q, D, M, n, outputs, O, r)
+            r += ROWS[t]
+    return out
+
+
+class Blocks:
+    """One GGUF tensor's blocks, row by row: q [N, K / 32 * bytes] (uint8), d and m [N, K / 32] (float32)."""
+
+    def __init__(self, kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray):
+        self.kind, self.q, self.d, self.m = kind, q, d, m
+
+    @classmethod
+    def read(cls, tensor) -> "Blocks":
+        kind = tensor.tensor_type.name
+        if kind not in KINDS:
+            raise CodespecError(f"--weights gguf reads Q4_1 and Q8_0 blocks; {tensor.name} is {kind}")
+        block, minimum = KINDS[kind]
+        raw = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, block + (4 if minimum else 2))
+        d = raw[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        m = (raw[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32) if minimum
+             else np.zeros_like(d))
+        q = np.ascontiguousarray(raw[:, :, 4 if minimum else 2 :]).reshape(raw.shape[0], -1)
+        return cls(kind, q, d, m)
+
+    def rows(self, index) -> "Blocks":
+        return Blocks(self.kind, self.q[index], self.d[index], self.m[index])
+
+    def scaled(self, scale: float) -> "Blocks":
+        """The same blocks times `scale` (a power of two keeps every weight exact)."""
+        return Blocks(self.kind, self.q, (self.d.astype(np.float64) * scale).astype(np.float32),
+                      (self.m.astype(np.float64) * scale).astype(np.float32))
+
+    @staticmethod
+    def cat(parts: list["Blocks"]) -> "Blocks":
+        if len({p.kind for p in parts}) != 1:
+            raise CodespecError("--weights gguf: the projections fused into one (q/k/v, gate/up) mix Q4_1 and Q8_0")
+        return Blocks(parts[0].kind, *(np.concatenate([getattr(p, a) for p in parts]) for a in "qdm"))
+
+    def values(self) -> torch.Tensor:
+        """The weights [N, K] in float32, each q * d + m rounded once as the kernel's fused multiply-add rounds it:
+        q * d is exact in float32 (a float16 scale times at most 8 bits), so adding m is the only rounding."""
+        n, blocks = self.d.shape
+        if KINDS[self.kind][1]:
+            q = np.concatenate([self.q.reshape(n, blocks, 16) & 15, self.q.reshape(n, blocks, 16) >> 4], axis=2)
+        else:
+            q = self.q.view(np.int8).reshape(n, blocks, 32)
+        w = q.astype(np.float32) * self.d[:, :, None]
+        w += self.m[:, :, None]
+        return torch.from_numpy(w.reshape(n, blocks * 32))
+
+    def weight(self) -> tuple:
+        """What `linear` takes."""
+        return (self.q, self.d, self.m, tiles(self.kind))
+
+
+def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
+    """Read the Q4_1 / Q8_0 blocks of `path` (the GGUF `model` was converted from), overwrite the model's float32
+    weights with their values, and return the blocks the lean forward needs, its rows in its own order (q and
+    k heads with rows reordered by `order`, q's times `scale`): {"layers": [qkv, o, gate_up, down] per layer,
+    "head": the output layer}."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
+        raise CodespecError(f"--weights gguf: cannot read {path}: {exc}") from None
+    tensors = {t.name: t for t in reader.tensors}
+    config, inner = model.config, model.model
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    back = torch.argsort(order)  # lean row i of a head is the model's row order[i]
+
+    def blocks(name: str) -> Blocks:
+        if name not in tensors:
+            raise CodespecError(f"--weights gguf: {path.name} has no tensor {name}")
+        return Blocks.read(tensors[name])
+
+    def load(parameter: torch.Tensor, values: torch.Tensor, name: str) -> None:
+        if tuple(values.shape) != tuple(parameter.shape):
+            raise CodespecError(f"--weights gguf: {name} is {tuple(values.shape)}, the model's {tuple(parameter.shape)}")
+        parameter.data.copy_(values)
+
+    def heads_part(name: str, parameter: torch.Tensor, count: int) -> Blocks:
+        """q or k: llama.cpp stores Llama's rotated pairs side by side (the lean order), other models as the
+        model has them; whichever the file's values match is taken."""
+        found = blocks(name)
+        values = found.values()
+        lean_as_model = values.view(count, head_dim, -1)[:, back].reshape(values.shape)
+        lean_rows = torch.arange(values.shape[0]).view(count, head_dim)[:, order].reshape(-1)
+        if (lean_as_model - parameter).abs().max() <= (values - parameter).abs().max():  # the file's rows: lean
+            load(parameter, lean_as_model, name)
+            return found
+        load(parameter, values, name)
+        return found.rows(lean_rows.numpy())
+
+    layers = []
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q = heads_part(f"blk.{i}.attn_q.weight", attn.q_proj.weight, heads).scaled(scale)
+        k = heads_part(f"blk.{i}.attn_k.weight", attn.k_proj.weight, kv_heads)
+        parts = {}
+        for key, name, parameter in (("v", "attn_v", attn.v_proj.weight), ("o", "attn_output", attn.o_proj.weight),
+                                     ("gate", "ffn_gate", mlp.gate_proj.weight), ("up", "ffn_up", mlp.up_proj.weight),
+                                     ("down", "ffn_down", mlp.down_proj.weight)):
+            parts[key] = blocks(f"blk.{i}.{name}.weight")
+            load(parameter, parts[key].values(), f"blk.{i}.{name}.weight")
+        layers.append([Blocks.cat([q, k, parts["v"]]), parts["o"], Blocks.cat([parts["gate"], parts["up"]]),
+                       parts["down"]])
+    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    head = blocks(head_name)
+    load(model.lm_head.weight, head.values(), head_name)
+    if head_name == "output.weight":  # untied: the embedding table has its own blocks
+        load(inner.embed_tokens.weight, blocks("token_embd.weight").values(), "token_embd.weight")
+    return {"layers": layers, "head": head}

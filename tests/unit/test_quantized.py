@@ -1,0 +1,140 @@
+"""--weights gguf: a GGUF's own Q4_1 / Q8_0 blocks in the few-row forward (codespec/quantized.py)."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Type
+from gguf import quants
+
+from codespec import quantized
+from codespec.errors import CodespecError
+from codespec.forward import LeanLlama, Rows, forward_path
+from tests.tiny import tiny_arch_model
+
+NO_NORM = np.zeros(0, dtype=np.float32)
+
+
+def random_blocks(kind: str, outputs: int, inputs: int, seed: int = 0) -> quantized.Blocks:
+    rng = np.random.default_rng(seed)
+    block, minimum = quantized.KINDS[kind]
+    scales = (rng.random((outputs, inputs // 32)) * 0.1).astype(np.float16).astype(np.float32)
+    minimums = (rng.random((outputs, inputs // 32)) - 0.5).astype(np.float16).astype(np.float32)
+    return quantized.Blocks(kind, rng.integers(0, 256, (outputs, inputs // 32 * block), dtype=np.uint8), scales,
+                            minimums if minimum else np.zeros_like(scales))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_the_kernel_multiplies_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(kind):
+    """Each (row, column) is the same sequence of float operations in every tile: a row's result is the same
+    whether it comes alone, in a pair or in a block of four (11 rows: 4 + 4 + 2 + 1)."""
+    blocks = random_blocks(kind, 45, 192)
+    weights = blocks.values().double().numpy()
+    x = np.random.default_rng(1).standard_normal((11, 192)).astype(np.float32)
+    together = quantized.linear(x, NO_NORM, np.float32(1e-5), blocks.weight())
+    assert together.shape == (11, 45)
+    assert np.abs(together - x.astype(np.float64) @ weights.T).max() < 1e-5 * np.abs(together).max()
+    alone = np.concatenate([quantized.linear(x[i : i + 1], NO_NORM, np.float32(1e-5), blocks.weight())
+                            for i in range(11)])
+    assert np.array_equal(alone, together)
+    norm = np.random.default_rng(2).random(192).astype(np.float32) + 0.5
+    normed = quantized.linear(x, norm, np.float32(1e-5), blocks.weight())
+    expected = torch.rms_norm(torch.from_numpy(x).double(), [192], torch.from_numpy(norm).double(), 1e-5)
+    assert np.abs(normed - expected.numpy() @ weights.T).max() < 1e-5 * np.abs(normed).max()
+
+
+@pytest.mark.parametrize("kind", [Type.Q4_1, Type.Q8_0])
+def test_the_blocks_values_are_gguf_own_dequantisation(kind):
+    weight = np.random.default_rng(3).standard_normal((8, 96)).astype(np.float32)
+    raw = quants.quantize(weight, kind)
+    tensor = type("Tensor", (), {"name": "t", "tensor_type": kind, "data": raw})
+    values = quantized.Blocks.read(tensor).values().numpy()
+    assert np.array_equal(values, quants.dequantize(raw, kind))
+
+
+def llama_cpp_order(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's convert script: each Llama head's rotated pairs side by side."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(path, model, permute: bool, projections=Type.Q4_1, output=Type.Q8_0):
+    """The model's weights quantised into a GGUF laid out as llama.cpp writes one (q/k permuted for Llama)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    config = model.config
+
+    def add(name, weight, kind):
+        writer.add_tensor(name, quants.quantize(weight.detach().float().numpy(), kind), raw_dtype=kind)
+
+    add("token_embd.weight", model.model.embed_tokens.weight, output)
+    add("output.weight", model.lm_head.weight, output)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k = attn.q_proj.weight, attn.k_proj.weight
+        if permute:
+            q, k = llama_cpp_order(q, config.num_attention_heads), llama_cpp_order(k, config.num_key_value_heads)
+        for name, weight in (("attn_q", q), ("attn_k", k), ("attn_v", attn.v_proj.weight),
+                             ("attn_output", attn.o_proj.weight), ("ffn_gate", mlp.gate_proj.weight),
+                             ("ffn_up", mlp.up_proj.weight), ("ffn_down", mlp.down_proj.weight)):
+            add(f"blk.{i}.{name}.weight", weight, projections)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kind, permute", [("llama", True), ("llama", False), ("qwen2", False)])
+def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tmp_path, kind, permute):
+    model = tiny_arch_model(kind, dtype=torch.float32)
+    path = write_gguf(tmp_path / "tiny.gguf", model, permute)
+    before = model.model.layers[1].self_attn.q_proj.weight.clone()
+    lean = forward_path(model, gguf=path)
+    assert isinstance(lean, LeanLlama) and isinstance(lean.fewrows.head, tuple)
+    file_q = quants.dequantize(gguf.GGUFReader(str(path)).get_tensor(9).data, Type.Q4_1)  # blk.1.attn_q
+    expected = torch.from_numpy(file_q)
+    if permute:  # back to the model's order
+        heads, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+        expected = expected.view(heads, dim // 2, 2, -1).swapaxes(1, 2).reshape(before.shape)
+    now = model.model.layers[1].self_attn.q_proj.weight
+    assert torch.equal(now, expected) and not torch.equal(now, before)
+    ids = [5, 17, 3, 99, 42, 7]
+    numba_cache, torch_cache = lean.new_cache(), lean.new_cache()
+    numba_logits = lean(numba_cache, ids, 2)  # 6 rows: the numba path (fewrows.FEW_ROWS is 16)
+    blocks, lean.fewrows = lean.fewrows, None
+    torch_logits = lean(torch_cache, ids, 2)  # the same weights in PyTorch's float32 path
+    lean.fewrows = blocks
+    assert (numba_logits - torch_logits).abs().max().item() < 1e-4
+    step = lean(numba_cache, [11], 1)
+    assert (step - lean.batch([Rows(torch_cache, [11], 1)])[0]).abs().max().item() < 1e-4
+
+
+def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_to_rounding(tmp_path):
+    """The projections compute each row alone (above: the same bits in any batch); attention over the cache sums
+    a row's keys in blocks that depend on how many keys the forward spans, so there the bits may differ."""
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True))
+    prompt, draft = [5, 17, 3, 99, 42, 7, 8, 9], [11, 12, 13, 14]
+    verify, decode = lean.new_cache(), lean.new_cache()
+    lean(verify, prompt, 1)
+    lean(decode, prompt, 1)
+    together = lean(verify, draft, len(draft))
+    alone = torch.cat([lean(decode, [token], 1) for token in draft])
+    assert (together - alone).abs().max().item() < 1e-5 * alone.abs().max().item()
+    assert torch.equal(together.argmax(-1), alone.argmax(-1))
+
+
+def test_gguf_weights_refuse_what_they_cannot_run(tmp_path):
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    unsupported = write_gguf(tmp_path / "q5.gguf", model, permute=True, projections=Type.Q5_0)
+    with pytest.raises(CodespecError, match="reads Q4_1 and Q8_0 blocks; blk.0.attn_q.weight is Q5_0"):
+        forward_path(model, gguf=unsupported)
+    path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
+    with pytest.raises(CodespecError, match="CPUs in float32"):
+        forward_path(tiny_arch_model("llama", dtype=torch.float64), gguf=path)
+    with pytest.raises(CodespecError, match="lean forward"):
+        forward_path(tiny_arch_model("gemma3", dtype=torch.float32), gguf=path)
+    with pytest.raises(CodespecError, match="lean forward"):
+        forward_path(model, lean=False, gguf=path)
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(CodespecError, match="cannot read"):
+        forward_path(model, gguf=tmp_path / "junk.gguf")
