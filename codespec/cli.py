@@ -237,8 +237,14 @@ def run_bench(args) -> int:
     if args.forward_costs or not (quick or args.no_forward_costs):
         from .bench.forward_costs import forward_costs, format_forward_costs, outside_forward_share
 
-        with tqdm(total=5, desc="forward costs", unit="step") as progress:
-            forward = forward_costs(engine.model, engine.model.config.vocab_size, progress)
+        from .models import gguf_source
+
+        try:
+            source = engine.gguf or gguf_source(args.model or DEFAULT_MODEL)
+        except CodespecError:  # no GGUF behind this model: no row for its blocks
+            source = None
+        with tqdm(total=6 if source else 5, desc="forward costs", unit="step") as progress:
+            forward = forward_costs(engine.model, engine.model.config.vocab_size, progress, gguf=source)
             edits = [w for w in all_workloads(1) if w.kind == "edit"]
             forward["outside_forwards_at_draft_max_64"] = outside_forward_share(engine, edits[0], max_tokens)
             progress.update()
@@ -247,6 +253,7 @@ def run_bench(args) -> int:
             (out / "forward.json").write_text(json.dumps(forward, indent=2))
             return 0
     settings = {"device": engine.model.device, "dtype": str(engine.model.dtype).removeprefix("torch."),
+                "weights": "gguf" if engine.gguf else "checkpoint",
                 "max_tokens": max_tokens, "repeats": repeats, "turns": turns, "quick": quick}
     with peer if peer is not None else contextlib.nullcontext():  # llama-server processes stop on the way out
         if peer is not None:

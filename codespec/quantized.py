@@ -39,8 +39,8 @@ from numba.extending import intrinsic
 from .errors import CodespecError
 
 KINDS = {"Q4_1": (16, True), "Q8_0": (32, False)}  # bytes of q per 32-weight block, whether it has a minimum
-ROWS = np.array([4, 2, 1])  # the rows of each tile, one output column each (measured: 2 or 4 columns, or 8 rows,
-# were no faster; 4 columns of the Q8_0 output layer 2.2x slower)
+ROWS = np.array([4, 2, 1])  # the rows of each tile, one output column each (measured: 8 rows were no faster; two
+# or four columns no faster, and four columns of the Q8_0 output layer 2.2x slower)
 CHUNK = 16  # output columns a thread takes at a time
 
 VECTOR = "<16 x float>"
@@ -69,59 +69,62 @@ def _sum(name: str, a: str, b: str) -> str:
     return text + f"  %{name} = extractelement <1 x float> %{name}.1, i64 0\n"
 
 
-def tile_ir(name: str, kind: str, columns: int, rows: int) -> str:
-    """LLVM IR of @name(x, K, q, d, m, n, N, out, r): out[r + j, n + c] = x[r + j] . w[n + c] for `rows` j and
-    `columns` c, where w's rows are blocks of `kind` (q: [N, K / 32 * bytes], d and m: [N, K / 32] float32)."""
+def _block(kind: str, rows: int, b: str, sums: str) -> str:
+    """One block of 32 weights (block %{b}) into the sums %a{j}_{sums}{h}: w = q * d + m as two halves of 16
+    lanes, then for each row j: a += w * x (one fused multiply-add per half)."""
     block, minimum = KINDS[kind]
+    text = f"  %qb{b} = mul i64 %{b}, {block}\n  %qp{b} = getelementptr i8, ptr %q0, i64 %qb{b}\n"
+    if minimum:  # Q4_1: byte i holds weight i (low nibble) and weight 16 + i (high nibble)
+        text += (f"  %qv{b} = load <16 x i8>, ptr %qp{b}, align 1\n  %qw{b} = zext <16 x i8> %qv{b} to <16 x i32>\n"
+                 f"  %lo{b} = and <16 x i32> %qw{b}, splat (i32 15)\n  %hi{b} = lshr <16 x i32> %qw{b}, splat (i32 4)\n"
+                 f"  %q{b}0 = uitofp <16 x i32> %lo{b} to {VECTOR}\n  %q{b}1 = uitofp <16 x i32> %hi{b} to {VECTOR}\n")
+    else:  # Q8_0: 32 signed bytes
+        text += (f"  %qv{b} = load <32 x i8>, ptr %qp{b}, align 1\n  %qw{b} = sext <32 x i8> %qv{b} to <32 x i32>\n"
+                 f"  %qf{b} = sitofp <32 x i32> %qw{b} to <32 x float>\n"
+                 f"  %q{b}0 = shufflevector <32 x float> %qf{b}, <32 x float> poison, <16 x i32> <{_lanes(0, 16)}>\n"
+                 f"  %q{b}1 = shufflevector <32 x float> %qf{b}, <32 x float> poison, <16 x i32> <{_lanes(16, 32)}>\n")
+    text += f"  %dp{b} = getelementptr float, ptr %d0, i64 %{b}\n  %db{b} = load float, ptr %dp{b}, align 4\n"
+    text += _splat(f"dv{b}", f"%db{b}")
+    if minimum:
+        text += f"  %mp{b} = getelementptr float, ptr %m0, i64 %{b}\n  %mb{b} = load float, ptr %mp{b}, align 4\n"
+        text += _splat(f"mv{b}", f"%mb{b}")
+    for h in (0, 1):
+        text += (f"  %w{b}{h} = call {VECTOR} {FMA}({VECTOR} %q{b}{h}, {VECTOR} %dv{b}, {VECTOR} %mv{b})\n"
+                 if minimum else f"  %w{b}{h} = fmul {VECTOR} %q{b}{h}, %dv{b}\n")
+    text += f"  %xb{b} = mul i64 %{b}, 32\n"
+    for j in range(rows):
+        for h in (0, 1):
+            text += (f"  %xp{j}{b}{h} = getelementptr float, ptr %x{j}, i64 %xb{b}\n" if h == 0 else
+                     f"  %xp{j}{b}{h} = getelementptr float, ptr %xp{j}{b}0, i64 16\n")
+            text += (f"  %x{j}{b}{h} = load {VECTOR}, ptr %xp{j}{b}{h}, align 4\n"
+                     f"  %a{j}_{sums}{h}.next = call {VECTOR} {FMA}({VECTOR} %w{b}{h}, {VECTOR} %x{j}{b}{h}, "
+                     f"{VECTOR} %a{j}_{sums}{h})\n")
+    return text
+
+
+def tile_ir(name: str, kind: str, rows: int) -> str:
+    """LLVM IR of @name(x, K, q, d, m, n, N, out, r): out[r + j, n] = x[r + j] . w[n] for `rows` rows j, where
+    w's rows are blocks of `kind` (q: [N, K / 32 * bytes], d and m: [N, K / 32] float32). Each row sums into
+    two 16-lane sums, added and halved down to one at the end in a fixed order. (Measured: two columns a tile,
+    or four sums a row for blocks in pairs, were no faster.)"""
+    block, _ = KINDS[kind]
     text = (f"define void @{name}(ptr noalias %x, i64 %K, ptr noalias %q, ptr noalias %d, ptr noalias %m, i64 %n, "
             f"i64 %N, ptr noalias %out, i64 %r) {{\nentry:\n  %blocks = udiv i64 %K, 32\n"
-            f"  %row_bytes = mul i64 %blocks, {block}\n")
-    for c in range(columns):
-        text += (f"  %n{c} = add i64 %n, {c}\n  %qo{c} = mul i64 %n{c}, %row_bytes\n"
-                 f"  %q{c} = getelementptr i8, ptr %q, i64 %qo{c}\n  %so{c} = mul i64 %n{c}, %blocks\n"
-                 f"  %d{c} = getelementptr float, ptr %d, i64 %so{c}\n  %m{c} = getelementptr float, ptr %m, i64 %so{c}\n")
+            f"  %row_bytes = mul i64 %blocks, {block}\n  %qo = mul i64 %n, %row_bytes\n"
+            f"  %q0 = getelementptr i8, ptr %q, i64 %qo\n  %so = mul i64 %n, %blocks\n"
+            f"  %d0 = getelementptr float, ptr %d, i64 %so\n  %m0 = getelementptr float, ptr %m, i64 %so\n")
     for j in range(rows):
-        text += (f"  %r{j} = add i64 %r, {j}\n  %xo{j} = mul i64 %r{j}, %K\n"
-                 f"  %x{j} = getelementptr float, ptr %x, i64 %xo{j}\n")
+        text += f"  %r{j} = add i64 %r, {j}\n  %xo{j} = mul i64 %r{j}, %K\n  %x{j} = getelementptr float, ptr %x, i64 %xo{j}\n"
     text += "  br label %loop\nloop:\n  %b = phi i64 [ 0, %entry ], [ %b.next, %loop ]\n"
-    sums = [(c, j, h) for c in range(columns) for j in range(rows) for h in (0, 1)]
-    for c, j, h in sums:
-        text += f"  %a{c}_{j}_{h} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{c}_{j}_{h}.next, %loop ]\n"
-    text += "  %xb = mul i64 %b, 32\n"
-    for j in range(rows):  # the block's 32 inputs of each row, as two halves
-        text += (f"  %xp{j}_0 = getelementptr float, ptr %x{j}, i64 %xb\n"
-                 f"  %xp{j}_1 = getelementptr float, ptr %xp{j}_0, i64 16\n"
-                 f"  %x{j}_0 = load {VECTOR}, ptr %xp{j}_0, align 4\n  %x{j}_1 = load {VECTOR}, ptr %xp{j}_1, align 4\n")
-    text += f"  %qb = mul i64 %b, {block}\n"
-    for c in range(columns):  # the block's 32 weights of each column, as two halves of 16 lanes
-        text += f"  %qp{c} = getelementptr i8, ptr %q{c}, i64 %qb\n"
-        if minimum:  # Q4_1: byte i holds weight i (low nibble) and weight 16 + i (high nibble)
-            text += (f"  %qv{c} = load <16 x i8>, ptr %qp{c}, align 1\n  %qw{c} = zext <16 x i8> %qv{c} to <16 x i32>\n"
-                     f"  %lo{c} = and <16 x i32> %qw{c}, splat (i32 15)\n  %hi{c} = lshr <16 x i32> %qw{c}, splat (i32 4)\n"
-                     f"  %q{c}_0 = uitofp <16 x i32> %lo{c} to {VECTOR}\n  %q{c}_1 = uitofp <16 x i32> %hi{c} to {VECTOR}\n")
-        else:  # Q8_0: 32 signed bytes
-            text += (f"  %qv{c} = load <32 x i8>, ptr %qp{c}, align 1\n  %qw{c} = sext <32 x i8> %qv{c} to <32 x i32>\n"
-                     f"  %qf{c} = sitofp <32 x i32> %qw{c} to <32 x float>\n"
-                     f"  %q{c}_0 = shufflevector <32 x float> %qf{c}, <32 x float> poison, <16 x i32> <{_lanes(0, 16)}>\n"
-                     f"  %q{c}_1 = shufflevector <32 x float> %qf{c}, <32 x float> poison, <16 x i32> <{_lanes(16, 32)}>\n")
-        text += f"  %dp{c} = getelementptr float, ptr %d{c}, i64 %b\n  %db{c} = load float, ptr %dp{c}, align 4\n"
-        text += _splat(f"dv{c}", f"%db{c}")
-        if minimum:
-            text += f"  %mp{c} = getelementptr float, ptr %m{c}, i64 %b\n  %mb{c} = load float, ptr %mp{c}, align 4\n"
-            text += _splat(f"mv{c}", f"%mb{c}")
+    for j in range(rows):
         for h in (0, 1):
-            text += (f"  %w{c}_{h} = call {VECTOR} {FMA}({VECTOR} %q{c}_{h}, {VECTOR} %dv{c}, {VECTOR} %mv{c})\n"
-                     if minimum else f"  %w{c}_{h} = fmul {VECTOR} %q{c}_{h}, %dv{c}\n")
-    for c, j, h in sums:
-        text += (f"  %a{c}_{j}_{h}.next = call {VECTOR} {FMA}({VECTOR} %w{c}_{h}, {VECTOR} %x{j}_{h}, "
-                 f"{VECTOR} %a{c}_{j}_{h})\n")
+            text += f"  %a{j}_s{h} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{j}_s{h}.next, %loop ]\n"
+    text += _block(kind, rows, "b", "s")
     text += "  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n  br i1 %done, label %end, label %loop\nend:\n"
-    for c in range(columns):
-        for j in range(rows):
-            text += _sum(f"s{c}_{j}", f"%a{c}_{j}_0.next", f"%a{c}_{j}_1.next")
-            text += (f"  %oo{c}_{j} = mul i64 %r{j}, %N\n  %oi{c}_{j} = add i64 %oo{c}_{j}, %n{c}\n"
-                     f"  %op{c}_{j} = getelementptr float, ptr %out, i64 %oi{c}_{j}\n"
-                     f"  store float %s{c}_{j}, ptr %op{c}_{j}, align 4\n")
+    for j in range(rows):
+        text += _sum(f"s{j}", f"%a{j}_s0.next", f"%a{j}_s1.next")
+        text += (f"  %oo{j} = mul i64 %r{j}, %N\n  %oi{j} = add i64 %oo{j}, %n\n"
+                 f"  %op{j} = getelementptr float, ptr %out, i64 %oi{j}\n  store float %s{j}, ptr %op{j}, align 4\n")
     return text + "  ret void\n}\n"
 
 
@@ -139,7 +142,7 @@ def tiles(kind: str) -> np.ndarray:
         cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
     names = [f"{kind.lower()}_{rows}" for rows in ROWS]
     source = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
-        tile_ir(name, kind, 1, rows) for name, rows in zip(names, ROWS))
+        tile_ir(name, kind, rows) for name, rows in zip(names, ROWS))
     module = llvm.parse_assembly(source)
     module.verify()
     passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))

@@ -63,13 +63,17 @@ def profile(path, vocab_size: int, tokens: int, context: int = 256, forwards: in
             "shares": {name: round(seconds / wall, 3) for name, seconds in spent.items()}}
 
 
-def forward_costs(model, vocab_size: int, progress=None) -> dict:
+def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
+    """`gguf`: the file the model came from, for a row on its own blocks (--weights gguf)."""
     bandwidth = read_bandwidth()
     fp32_bytes = weight_bytes(model) * 4 // model.dtype.itemsize
     lean, wide = LeanLlama(model), LeanLlama(model)
     wide.fewrows = None
-    paths = [("lean float32", lean, fp32_bytes // 2 if lean.fewrows else fp32_bytes),
+    paths = [("lean float32", lean, lean.fewrows.nbytes if lean.fewrows else fp32_bytes),
              ("lean, PyTorch only", wide, fp32_bytes), ("transformers float32", TransformersForward(model), fp32_bytes)]
+    if gguf is not None:
+        blocks = LeanLlama(copy.deepcopy(model), gguf)
+        paths.insert(1, ("lean, --weights gguf", blocks, blocks.fewrows.nbytes))
     if model.device.type == "cpu" or torch.cuda.is_bf16_supported():
         half = copy.deepcopy(model).to(torch.bfloat16)
         paths.append(("lean bfloat16", LeanLlama(half), fp32_bytes // 2))
@@ -106,6 +110,9 @@ def format_forward_costs(data: dict) -> str:
     if data.get("reads_16_bits_up_to"):
         lines.append(f"lean float32 runs forwards up to k={data['reads_16_bits_up_to']} in numba, reading its "
                      "bfloat16-valued weights as 16 bits (its floor is for those); PyTorch over 32 bits beyond")
+    if any(row["path"] == "lean, --weights gguf" for row in data["rows"]):
+        lines.append("lean, --weights gguf reads the GGUF's Q4_1/Q8_0 blocks in numba up to the same k (its floor is "
+                     "for those), PyTorch over their values as float32 beyond")
     for entry in data["profile"]:
         shares = ", ".join(f"{name} {share:.0%}" for name, share in entry["shares"].items())
         lines.append(f"lean float32, k={entry['tokens']} ({entry['ms_per_forward_profiled']} ms profiled): {shares}")

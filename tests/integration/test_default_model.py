@@ -150,3 +150,47 @@ def test_a_batched_run_is_token_identical_to_each_request_alone(default_engine):
         assert scheduler.batched_ticks > 0 and scheduler.ticks < sum(r.stats.target_forwards for r in results)
     finally:
         scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_engine():
+    """The default model on the GGUF's own Q4_1 / Q8_0 blocks (--weights gguf)."""
+    from codespec.config import ModelConfig
+    from codespec.engine import Engine
+
+    return Engine.load(ModelConfig(dtype="float32", weights="gguf"), show_progress=False)
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_identity_on_the_gguf_blocks(gguf_engine, name):
+    """Speculative output equals plain output of the same (4-bit) weights, and equals transformers' own forward
+    over the model whose float32 weights are now the file's values."""
+    assert isinstance(gguf_engine.path.fewrows.head, tuple)  # the Q8_0 output layer's blocks, not 16 bits
+    text, chat = PROMPTS[name]
+    prompt = gguf_engine.encode(text, chat=chat)
+    params = SamplingParams(max_tokens=96)
+    plain = gguf_engine.generate(prompt, params, spec=NONE)
+    assert len(plain.tokens) > 10
+    for spec in (LOOKUP, LOOKUP_LONG):
+        fast = gguf_engine.generate(prompt, params, spec=spec)
+        assert fast.tokens == plain.tokens and fast.text == plain.text
+    out = gguf_engine.model.generate(torch.tensor([prompt]), max_new_tokens=96, do_sample=False)
+    assert out[0, len(prompt):].tolist() == plain.tokens
+    if name == "edit":
+        assert gguf_engine.generate(prompt, params, spec=LOOKUP).stats.tokens_per_forward > 2.0
+
+
+def test_cli_weights_gguf_and_its_one_line_errors(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = lambda *args: subprocess.run([sys.executable, "-m", "codespec", "generate", *args],  # noqa: E731
+                                       capture_output=True, text=True, env=env, timeout=600)
+    done = run("--weights", "gguf", "--json", "--max-tokens", "16", "def reverse(text):")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["generated_tokens"] == 16
+    wrong = run("--weights", "gguf", "--model", str(tmp_path), "x")
+    assert wrong.returncode != 0 and len(wrong.stderr.strip().splitlines()) == 1
+    assert "holds no config.json" in wrong.stderr or "reads a GGUF file" in wrong.stderr
+    wrong = run("--weights", "gguf", "--dtype", "bfloat16", "x")
+    assert wrong.returncode != 0 and wrong.stderr.strip().splitlines() == [
+        "codespec: error: --weights gguf runs on CPUs in float32 (--device cpu --dtype float32), with numba's "
+        "OpenMP pool (the system's libgomp)"]
