@@ -349,7 +349,7 @@ def format_report(data: dict) -> str:
 
 def model_args(args) -> list[str]:
     return ["--dtype", args.dtype] + (["--model", args.model] if args.model else []) + \
-        (["--forward", args.forward] if args.forward else [])
+        (["--forward", args.forward] if args.forward else []) + (["--weights", args.weights] if args.weights else [])
 
 
 async def run(args, server_url: str | None = None) -> dict:
@@ -358,7 +358,8 @@ async def run(args, server_url: str | None = None) -> dict:
     client = Client()
     await client.start(server, {"debounce_ms": 0, "max_tokens": 32, "command_max_tokens": 1024})
     phases = {phase.strip() for phase in args.phases.split(",")}
-    data = {"dtype": args.dtype, "model": args.model or "smollm2", "backend": "thin" if server_url else "in process"}
+    data = {"dtype": args.dtype, "model": args.model or "smollm2", "weights": args.weights or "checkpoint",
+            "backend": "thin" if server_url else "in process"}
     try:
         if "typing" in phases:
             data["typing"] = await typing_latency(client)
@@ -378,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--forward", help="lean (default) or transformers")
+    parser.add_argument("--weights", help="checkpoint (default) or gguf (the GGUF's own blocks)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each rewrite chain (median)")
     parser.add_argument("--out", default="bench-results/lsp-latency.json")
     parser.add_argument("--phases", default="typing,rewrite,contention",
@@ -388,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="local: the model in the language server (default); thin: `codespec lsp --server` on "
                              "a codespec serve; both: one after the other, with the thin one's ratios")
     parser.add_argument("--server", metavar="URL", help="thin: this running codespec serve (else one is started "
-                                                        "on loopback with --model/--dtype/--forward)")
+                                                        "on loopback with --model/--dtype/--forward/--weights)")
     args = parser.parse_args(argv)
     if args.server and args.backend == "local":
         args.backend = "thin"
