@@ -96,20 +96,8 @@ def _project_one(w, even, odd, out, n, r):
 @numba.njit(inline="always", fastmath=True, cache=True, boundscheck=False)
 def _split(x, norm, eps):
     """x's even and odd columns apart, each row RMS-normalised and times `norm` first when norm has entries."""
-    rows, size = x.shape
-    even = np.empty((rows, size // 2), dtype=np.float32)
-    odd = np.empty((rows, size // 2), dtype=np.float32)
-    for r in range(rows):
-        scale = np.float32(1.0)
-        if norm.shape[0]:
-            total = np.float32(0.0)
-            for i in range(size):
-                total += x[r, i] * x[r, i]
-            scale = np.float32(1.0) / np.sqrt(total / np.float32(size) + eps)
-        for j in range(size // 2):
-            even[r, j] = x[r, 2 * j] * scale * (norm[2 * j] if norm.shape[0] else np.float32(1.0))
-            odd[r, j] = x[r, 2 * j + 1] * scale * (norm[2 * j + 1] if norm.shape[0] else np.float32(1.0))
-    return even, odd
+    normed = quantized.normed(x, norm, eps)
+    return np.ascontiguousarray(normed[:, 0::2]), np.ascontiguousarray(normed[:, 1::2])
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)

@@ -170,7 +170,7 @@ def _tile(typingctx, address, x, K, q, d, m, n, N, out, r):
 
 
 @numba.njit(fastmath=True, cache=True, boundscheck=False)
-def _normed(x, norm, eps):
+def normed(x, norm, eps):
     """x's rows RMS-normalised and times `norm` (when norm has entries; else a contiguous copy of x)."""
     rows, size = x.shape
     out = np.empty((rows, size), dtype=np.float32)
@@ -190,7 +190,7 @@ def _normed(x, norm, eps):
 def linear(x, norm, eps, weight):
     """rms_norm(x) (when norm has entries, else x) times the transposed block weight (q, d, m, tiles): [rows, N]."""
     q, d, m, tile = weight
-    xn = _normed(x, norm, eps)
+    xn = normed(x, norm, eps)
     rows, size = xn.shape
     outputs = q.shape[0]
     out = np.empty((rows, outputs), dtype=np.float32)

@@ -41,22 +41,28 @@ def test_pull_is_idempotent(default_engine):
     assert default_engine.model.dtype == torch.float32
 
 
-@pytest.mark.parametrize("name", list(PROMPTS))
-def test_greedy_identity_on_the_default_model(default_engine, name):
+def assert_greedy_identity(engine, name):
+    """Speculative greedy output equals plain greedy output, and transformers' own generate (with and without its
+    prompt lookup) on the same model."""
     text, chat = PROMPTS[name]
-    prompt = default_engine.encode(text, chat=chat)
+    prompt = engine.encode(text, chat=chat)
     params = SamplingParams(max_tokens=96)
-    plain = default_engine.generate(prompt, params, spec=NONE)
+    plain = engine.generate(prompt, params, spec=NONE)
     assert len(plain.tokens) > 10
     for spec in (LOOKUP, LOOKUP_LONG):
-        fast = default_engine.generate(prompt, params, spec=spec)
+        fast = engine.generate(prompt, params, spec=spec)
         assert fast.tokens == plain.tokens and fast.text == plain.text
-    model = default_engine.model
+    model = engine.model
     for options in ({}, {"prompt_lookup_num_tokens": 10}):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=96, do_sample=False, **options)
         assert out[0, len(prompt):].tolist() == plain.tokens, options
     if name == "edit":  # an edit copies its input: speculation must pay off here
-        assert default_engine.generate(prompt, params, spec=LOOKUP).stats.tokens_per_forward > 2.0
+        assert engine.generate(prompt, params, spec=LOOKUP).stats.tokens_per_forward > 2.0
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_identity_on_the_default_model(default_engine, name):
+    assert_greedy_identity(default_engine, name)
 
 
 def test_multi_turn_session_reuses_the_cache(default_engine):
@@ -163,21 +169,9 @@ def gguf_engine():
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_greedy_identity_on_the_gguf_blocks(gguf_engine, name):
-    """Speculative output equals plain output of the same (4-bit) weights, and equals transformers' own forward
-    over the model whose float32 weights are now the file's values."""
+    """The same on the GGUF's 4-bit blocks: the model's float32 weights are now the file's values."""
     assert isinstance(gguf_engine.path.fewrows.head, tuple)  # the Q8_0 output layer's blocks, not 16 bits
-    text, chat = PROMPTS[name]
-    prompt = gguf_engine.encode(text, chat=chat)
-    params = SamplingParams(max_tokens=96)
-    plain = gguf_engine.generate(prompt, params, spec=NONE)
-    assert len(plain.tokens) > 10
-    for spec in (LOOKUP, LOOKUP_LONG):
-        fast = gguf_engine.generate(prompt, params, spec=spec)
-        assert fast.tokens == plain.tokens and fast.text == plain.text
-    out = gguf_engine.model.generate(torch.tensor([prompt]), max_new_tokens=96, do_sample=False)
-    assert out[0, len(prompt):].tolist() == plain.tokens
-    if name == "edit":
-        assert gguf_engine.generate(prompt, params, spec=LOOKUP).stats.tokens_per_forward > 2.0
+    assert_greedy_identity(gguf_engine, name)
 
 
 def test_cli_weights_gguf_and_its_one_line_errors(tmp_path):
