@@ -258,15 +258,32 @@ class Blocks:
         return (self.q, self.d, self.m, tiles(self.kind))
 
 
+def _reader(path: Path):
+    """gguf's GGUFReader, skipping over the contents of string arrays (the tokenizer's vocabulary and merges, of
+    no use here): reading them took 4 of the 5 seconds a load spent in this module."""
+    import gguf
+
+    class TensorsOnly(gguf.GGUFReader):
+        def _get_field_parts(self, offs, raw_type):
+            if raw_type == gguf.GGUFValueType.ARRAY and self.byte_order != "S":
+                item_type, count = int(self._get(offs, np.uint32)[0]), int(self._get(offs + 4, np.uint64)[0])
+                if item_type == gguf.GGUFValueType.STRING:
+                    raw, end = memoryview(self.data), offs + 12
+                    for _ in range(count):  # each string: its length (uint64), then its bytes
+                        end += 8 + int.from_bytes(raw[end : end + 8], "little")
+                    return end - offs, [], [], [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+            return super()._get_field_parts(offs, raw_type)
+
+    return TensorsOnly(str(path))
+
+
 def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
     """Read the Q4_1 / Q8_0 blocks of `path` (the GGUF `model` was converted from), overwrite the model's float32
     weights with their values, and return the blocks the lean forward needs, its rows in its own order (q and
     k heads with rows reordered by `order`, q's times `scale`): {"layers": [qkv, o, gate_up, down] per layer,
     "head": the output layer}."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _reader(path)
     except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
         raise CodespecError(f"--weights gguf: cannot read {path}: {exc}") from None
     tensors = {t.name: t for t in reader.tensors}
