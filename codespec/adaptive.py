@@ -98,7 +98,8 @@ def cached_costs(path, model, vocab_size: int) -> CostModel:
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return measure_costs(path, vocab_size)
-    key = json.dumps([name, str(model.device), str(model.dtype), type(path).__name__, torch.get_num_threads(),
+    key = json.dumps([name, str(model.device), str(model.dtype), type(path).__name__, getattr(path, "reads", ""),
+                      torch.get_num_threads(),
                       torch.__version__, platform.processor(), platform.node(), list(SIZES)])
     file = codespec_home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     try:

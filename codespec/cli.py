@@ -51,8 +51,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward", choices=FORWARD_CHOICES,
                         help="lean (default: own Llama forward, static KV cache) or transformers")
     parser.add_argument("--weights", choices=WEIGHTS_CHOICES,
-                        help="checkpoint (default: the converted model, bfloat16 values in float32) or gguf (the "
-                             "GGUF's own Q4_1/Q8_0 blocks, as llama-server reads them: CPU, lean forward)")
+                        help="auto (default: gguf where it runs, else checkpoint), checkpoint (the converted model, "
+                             "bfloat16 values in float32) or gguf (the GGUF's own Q4_1/Q8_0 blocks, as llama-server "
+                             "reads them: CPU, float32, lean forward)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,8 +244,14 @@ def run_bench(args) -> int:
             source = engine.gguf or gguf_source(args.model or DEFAULT_MODEL)
         except CodespecError:  # no GGUF behind this model: no row for its blocks
             source = None
+        base = engine.model
+        if engine.gguf is not None:  # its weights are the GGUF's values now: the other rows need the checkpoint's
+            from .models import load
+
+            base, _ = load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype")
+                                          if getattr(args, name) is not None}), show_progress=False)
         with tqdm(total=6 if source else 5, desc="forward costs", unit="step") as progress:
-            forward = forward_costs(engine.model, engine.model.config.vocab_size, progress, gguf=source)
+            forward = forward_costs(base, base.config.vocab_size, progress, gguf=source)
             edits = [w for w in all_workloads(1) if w.kind == "edit"]
             forward["outside_forwards_at_draft_max_64"] = outside_forward_share(engine, edits[0], max_tokens)
             progress.update()

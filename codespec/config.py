@@ -15,7 +15,8 @@ SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-
                 "edit-align")
 MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the draftless ones are cheaper
 FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers for non-Llama models
-WEIGHTS_CHOICES = ("checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py)
+WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py);
+# auto: those where they can run (a GGUF's Llama/Qwen2 model on a CPU in float32 on the lean forward), else checkpoint
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
 MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)
@@ -129,7 +130,8 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: str = "auto"  # auto = float32 on cpu (exact), bfloat16 on cuda
     forward: str = "lean"  # lean: own Llama forward with a static KV cache; transformers: the model's own
-    weights: str = "checkpoint"  # checkpoint: the converted model's (bfloat16 values); gguf: the GGUF's own blocks
+    weights: str = "auto"  # checkpoint: the converted model's (bfloat16 values); gguf: the GGUF's own blocks,
+    # which measured faster at every k up to 16 on these CPUs (README, "The GGUF's own blocks"); auto: gguf where it runs
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
     def validate(self) -> None:

@@ -62,6 +62,24 @@ class Chunk:
     stats: GenerationStats | None = None  # the generation's statistics so far (live: progress, a cut-short job)
 
 
+def auto_gguf(model_config: ModelConfig, model) -> Path | None:
+    """--weights auto: the GGUF the model came from when its blocks can run here (the lean forward on a CPU in
+    float32, numba's pool, every projection Q4_1 or Q8_0), else None (the converted checkpoint's weights)."""
+    import torch
+
+    from . import fewrows, quantized
+    from .forward import LeanLlama
+    from .models import DEFAULT_ALIASES, gguf_source
+
+    if model_config.model not in DEFAULT_ALIASES and not model_config.model.endswith(".gguf"):
+        return None
+    if (model_config.forward != "lean" or model.device.type != "cpu" or model.dtype != torch.float32
+            or LeanLlama.supports(model) is not None or not fewrows.ready()):
+        return None
+    path = gguf_source(model_config.model)
+    return None if quantized.unreadable(path) else path
+
+
 @dataclass
 class Engine:
     model: object
@@ -97,6 +115,8 @@ class Engine:
         model_config.validate()
         gguf = gguf_source(model_config.model) if model_config.weights == "gguf" else None
         model, tokenizer = load(model_config, show_progress=show_progress)
+        if model_config.weights == "auto":
+            gguf = auto_gguf(model_config, model)
         return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf)
 
     @property

@@ -166,11 +166,14 @@ class LeanLlama:
         self.fewrows = None
         norms = [norm for layer in inner.layers for norm in (layer.input_layernorm.weight,
                                                              layer.post_attention_layernorm.weight)]
+        self.reads = "float32"  # what forwards over few rows read: for the cost cache's key
         if blocks is not None:
             self.fewrows = fewrows.Weights(norms, self.biases, [b for layer in blocks["layers"] for b in layer],
                                            self.norm, blocks["head"])
+            self.reads = "gguf blocks"
         elif all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
             self.fewrows = fewrows.Weights(norms, self.biases, projections, self.norm, self.lm_head.weight)
+            self.reads = "16 bits"
         self.few_rows_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and attention.ready()
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta

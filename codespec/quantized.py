@@ -277,6 +277,19 @@ def _reader(path: Path):
     return TensorsOnly(str(path))
 
 
+def unreadable(path: Path) -> str | None:
+    """Why read_gguf cannot take `path`'s projections (a tensor in another format, a file it cannot parse), or
+    None: what --weights auto asks before it picks the blocks."""
+    try:
+        tensors = _reader(path).tensors
+    except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
+        return f"cannot read {path}: {exc}"
+    for tensor in tensors:
+        if tensor.name.endswith(".weight") and len(tensor.shape) == 2 and tensor.tensor_type.name not in KINDS:
+            return f"{tensor.name} is {tensor.tensor_type.name}"
+    return None
+
+
 def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
     """Read the Q4_1 / Q8_0 blocks of `path` (the GGUF `model` was converted from), overwrite the model's float32
     weights with their values, and return the blocks the lean forward needs, its rows in its own order (q and

@@ -358,7 +358,7 @@ async def run(args, server_url: str | None = None) -> dict:
     client = Client()
     await client.start(server, {"debounce_ms": 0, "max_tokens": 32, "command_max_tokens": 1024})
     phases = {phase.strip() for phase in args.phases.split(",")}
-    data = {"dtype": args.dtype, "model": args.model or "smollm2", "weights": args.weights or "checkpoint",
+    data = {"dtype": args.dtype, "model": args.model or "smollm2", "weights": args.weights or "auto",
             "backend": "thin" if server_url else "in process"}
     try:
         if "typing" in phases:
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--forward", help="lean (default) or transformers")
-    parser.add_argument("--weights", help="checkpoint (default) or gguf (the GGUF's own blocks)")
+    parser.add_argument("--weights", help="auto (default), checkpoint or gguf (the GGUF's own blocks)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each rewrite chain (median)")
     parser.add_argument("--out", default="bench-results/lsp-latency.json")
     parser.add_argument("--phases", default="typing,rewrite,contention",

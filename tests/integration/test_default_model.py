@@ -159,19 +159,24 @@ def test_a_batched_run_is_token_identical_to_each_request_alone(default_engine):
 
 
 @pytest.fixture(scope="module")
-def gguf_engine():
-    """The default model on the GGUF's own Q4_1 / Q8_0 blocks (--weights gguf)."""
+def checkpoint_engine():
+    """The default model on the converted checkpoint's weights (--weights checkpoint): bfloat16 values, read as
+    16 bits by the numba path."""
     from codespec.config import ModelConfig
     from codespec.engine import Engine
 
-    return Engine.load(ModelConfig(dtype="float32", weights="gguf"), show_progress=False)
+    return Engine.load(ModelConfig(dtype="float32", weights="checkpoint"), show_progress=False)
+
+
+def test_the_default_reads_the_gguf_blocks(default_engine):
+    assert default_engine.gguf is not None and default_engine.path.reads == "gguf blocks"
+    assert isinstance(default_engine.path.fewrows.head, tuple)  # the Q8_0 output layer's blocks, not 16 bits
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
-def test_greedy_identity_on_the_gguf_blocks(gguf_engine, name):
-    """The same on the GGUF's 4-bit blocks: the model's float32 weights are now the file's values."""
-    assert isinstance(gguf_engine.path.fewrows.head, tuple)  # the Q8_0 output layer's blocks, not 16 bits
-    assert_greedy_identity(gguf_engine, name)
+def test_greedy_identity_on_the_checkpoint_weights(checkpoint_engine, name):
+    assert checkpoint_engine.gguf is None and checkpoint_engine.path.reads == "16 bits"
+    assert_greedy_identity(checkpoint_engine, name)
 
 
 def test_cli_weights_gguf_and_its_one_line_errors(tmp_path):
@@ -179,6 +184,9 @@ def test_cli_weights_gguf_and_its_one_line_errors(tmp_path):
     run = lambda *args: subprocess.run([sys.executable, "-m", "codespec", "generate", *args],  # noqa: E731
                                        capture_output=True, text=True, env=env, timeout=600)
     done = run("--weights", "gguf", "--json", "--max-tokens", "16", "def reverse(text):")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["generated_tokens"] == 16
+    done = run("--weights", "checkpoint", "--json", "--max-tokens", "16", "def reverse(text):")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["stats"]["generated_tokens"] == 16
     wrong = run("--weights", "gguf", "--model", str(tmp_path), "x")
