@@ -14,8 +14,9 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   21.7 ms per layer as two matmuls and a softmax, 7.2 ms fused (a 3,000-token prompt: 13.4 s -> 8.5 s).
   On CPUs in float32, sequences with at most attention.FEW_ROWS rows (decoding, short verifies: what many
   sessions in one forward have) attend in one kernel call per layer that streams their caches instead.
-  Forwards over at most fewrows.FEW_ROWS rows of a model whose weights are bfloat16 values (the default) leave
-  PyTorch altogether: fewrows.py runs every layer in numba, reading each weight as 16 bits.
+  Forwards over at most fewrows.FEW_ROWS rows leave PyTorch altogether: fewrows.py runs every layer in numba,
+  reading a GGUF's own 4- and 8-bit blocks (quantized.py; the default model's, with --weights auto or gguf) or
+  bfloat16-valued weights as 16 bits (the converted checkpoint's).
 - `TransformersForward` runs anything else through the model's own forward with transformers' cache,
   built so that a rollback works on every layer type (`TransformersCache`).
 
