@@ -1,4 +1,5 @@
-"""A GGUF's own 4-bit and 8-bit weights in the few-row forward (`--weights gguf`): a quarter of the bytes.
+"""A GGUF's own 4-bit and 8-bit weights in the few-row forward (`--weights gguf`, and `auto`, the default, on
+CPUs in float32): a quarter of the bytes.
 
 The default model ships as a Q4_1 GGUF (every layer's projections; the tied embedding and output layer in Q8_0),
 which is what llama-server runs. `codespec pull` stores it as bfloat16, which rounds those values; with
@@ -13,7 +14,7 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
   not a power of two (head_dim not a power of 4) rounds the kernel's q weights once more than PyTorch's.
 - **Kernels in LLVM IR.** numba leaves the nibble unpacking scalar, so the kernel is written as LLVM IR with
   explicit 16-wide vectors and compiled by llvmlite (numba's own LLVM, a wheel: no compiler) for this CPU when
-  the model loads (0.1 s). A tile computes a few output columns for a few rows; each (row, column) is the same
+  the model loads (0.1 s). A tile computes one output column for up to four rows; each (row, column) is the same
   sequence of operations in every tile: per block, w = fma(q, d, m) and two 16-lane sums a += w * x, then
   the two sums added and halved down to one number in a fixed order. So a row's projections do not depend on
   which rows share its forward (`tests/unit/test_quantized.py`); attention over the cache still sums a row's
@@ -284,6 +285,10 @@ def unreadable(path: Path) -> str | None:
         tensors = _reader(path).tensors
     except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
         return f"cannot read {path}: {exc}"
+    return _unsupported(tensors)
+
+
+def _unsupported(tensors) -> str | None:
     for tensor in tensors:
         if tensor.name.endswith(".weight") and len(tensor.shape) == 2 and tensor.tensor_type.name not in KINDS:
             return f"{tensor.name} is {tensor.tensor_type.name}"
@@ -299,6 +304,8 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
         reader = _reader(path)
     except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
         raise CodespecError(f"--weights gguf: cannot read {path}: {exc}") from None
+    if problem := _unsupported(reader.tensors):  # before any weight is overwritten
+        raise CodespecError(f"--weights gguf reads Q4_1 and Q8_0 blocks; {problem}")
     tensors = {t.name: t for t in reader.tensors}
     config, inner = model.config, model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
