@@ -43,6 +43,9 @@ def bounded_int(low: int, high: int):
     return parse
 
 
+MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights")  # add_model_options' flags: ModelConfig's fields
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"{DEFAULT_MODEL} (default, embedded), a transformers directory, "
                                         "a .gguf file, or a hub id")
@@ -219,7 +222,7 @@ def run_bench(args) -> int:
         peer = Peer(args.llama_server, gguf_for(args.model),
                     args.llama_server_threads or torch.get_num_threads(),
                     [t.strip() for t in args.llama_server_spec_types.split(",") if t.strip()])
-    engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype", "forward", "weights")
+    engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in MODEL_FLAGS
                                         if getattr(args, name) is not None}))
     configs = [c for c in runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max),
                                                engine.model.config.num_hidden_layers) if c.name in wanted]
@@ -409,8 +412,7 @@ def run_lsp(args) -> int:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise CodespecError(f"--tcp wants HOST:PORT, got {args.tcp!r}")
         tcp = (host, int(port))
-    given = {name: getattr(args, name) for name in ("model", "device", "dtype", "forward", "weights")
-             if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
     try:
         model_config = ModelConfig(**given)
         model_config.validate()

@@ -131,7 +131,8 @@ class ModelConfig:
     dtype: str = "auto"  # auto = float32 on cpu (exact), bfloat16 on cuda
     forward: str = "lean"  # lean: own Llama forward with a static KV cache; transformers: the model's own
     weights: str = "auto"  # checkpoint: the converted model's (bfloat16 values); gguf: the GGUF's own blocks,
-    # which measured faster at every k up to 16 on these CPUs (README, "The GGUF's own blocks"); auto: gguf where it runs
+    # which measured faster at every k up to 16 on these CPUs (README, "The GGUF's own blocks");
+    # auto: gguf where it runs
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
     def validate(self) -> None:

@@ -95,7 +95,8 @@ class Engine:
 
     def __post_init__(self):
         self.spec.validate()
-        self.path = forward_path(self.model, lean=self.forward == "lean", gguf=self.gguf)  # the target forward, all sessions
+        # the target forward, all sessions
+        self.path = forward_path(self.model, lean=self.forward == "lean", gguf=self.gguf)
         check_forward(self.path, self.model)
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None

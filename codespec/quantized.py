@@ -115,13 +115,15 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
             f"  %q0 = getelementptr i8, ptr %q, i64 %qo\n  %so = mul i64 %n, %blocks\n"
             f"  %d0 = getelementptr float, ptr %d, i64 %so\n  %m0 = getelementptr float, ptr %m, i64 %so\n")
     for j in range(rows):
-        text += f"  %r{j} = add i64 %r, {j}\n  %xo{j} = mul i64 %r{j}, %K\n  %x{j} = getelementptr float, ptr %x, i64 %xo{j}\n"
+        text += (f"  %r{j} = add i64 %r, {j}\n  %xo{j} = mul i64 %r{j}, %K\n"
+                 f"  %x{j} = getelementptr float, ptr %x, i64 %xo{j}\n")
     text += "  br label %loop\nloop:\n  %b = phi i64 [ 0, %entry ], [ %b.next, %loop ]\n"
     for j in range(rows):
         for h in (0, 1):
             text += f"  %a{j}_s{h} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{j}_s{h}.next, %loop ]\n"
     text += _block(kind, rows, "b", "s")
-    text += "  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n  br i1 %done, label %end, label %loop\nend:\n"
+    text += ("  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n"
+             "  br i1 %done, label %end, label %loop\nend:\n")
     for j in range(rows):
         text += _sum(f"s{j}", f"%a{j}_s0.next", f"%a{j}_s1.next")
         text += (f"  %oo{j} = mul i64 %r{j}, %N\n  %oi{j} = add i64 %oo{j}, %n\n"
@@ -319,7 +321,8 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
 
     def load(parameter: torch.Tensor, values: torch.Tensor, name: str) -> None:
         if tuple(values.shape) != tuple(parameter.shape):
-            raise CodespecError(f"--weights gguf: {name} is {tuple(values.shape)}, the model's {tuple(parameter.shape)}")
+            raise CodespecError(f"--weights gguf: {name} is {tuple(values.shape)}, "
+                                f"the model's {tuple(parameter.shape)}")
         parameter.data.copy_(values)
 
     def heads_part(name: str, parameter: torch.Tensor, count: int) -> Blocks:

@@ -159,7 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-reuse", default="0,256", help="values to compare, comma-separated")
     parser.add_argument("--url", help="measure this server instead of starting one per value")
     parser.add_argument("--output", type=Path, help="write the rows as JSON")
-    parser.add_argument("serve_args", nargs="*", help="extra `codespec serve` arguments (after --), e.g. --weights gguf")
+    parser.add_argument("serve_args", nargs="*",
+                        help="extra `codespec serve` arguments (after --), e.g. --weights gguf")
     args = parser.parse_args(argv)
     report = {"serve_args": args.serve_args}
     for value in args.cache_reuse.split(","):
