@@ -201,14 +201,8 @@ class Weights:
         self.projections = [_kernel_weight(w) for w in projections]
         self.final_norm = final_norm.detach().float().contiguous().numpy()
         self.head = _kernel_weight(head)
-        self.nbytes = sum(_read_bytes(w) for w in self.projections + [self.head])  # what a forward reads
-
-
-def _read_bytes(weight) -> int:
-    if isinstance(weight, np.ndarray):
-        return weight.nbytes
-    q, d, m, _ = weight
-    return q.nbytes + d.nbytes + (m.nbytes if m.any() else 0)  # Q8_0 has no minimums to read
+        self.nbytes = sum(w.nbytes if isinstance(w, quantized.Blocks) else w.numel() * 2  # what a forward reads
+                          for w in projections + [head])
 
 
 def _kernel_weight(weight):

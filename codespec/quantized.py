@@ -70,36 +70,36 @@ def _sum(name: str, a: str, b: str) -> str:
     return text + f"  %{name} = extractelement <1 x float> %{name}.1, i64 0\n"
 
 
-def _block(kind: str, rows: int, b: str, sums: str) -> str:
-    """One block of 32 weights (block %{b}) into the sums %a{j}_{sums}{h}: w = q * d + m as two halves of 16
+def _block(kind: str, rows: int) -> str:
+    """One block of 32 weights (block %b) into the sums %a{j}_s{h}: w = q * d + m as two halves of 16
     lanes, then for each row j: a += w * x (one fused multiply-add per half)."""
     block, minimum = KINDS[kind]
-    text = f"  %qb{b} = mul i64 %{b}, {block}\n  %qp{b} = getelementptr i8, ptr %q0, i64 %qb{b}\n"
+    text = f"  %qbb = mul i64 %b, {block}\n  %qpb = getelementptr i8, ptr %q0, i64 %qbb\n"
     if minimum:  # Q4_1: byte i holds weight i (low nibble) and weight 16 + i (high nibble)
-        text += (f"  %qv{b} = load <16 x i8>, ptr %qp{b}, align 1\n  %qw{b} = zext <16 x i8> %qv{b} to <16 x i32>\n"
-                 f"  %lo{b} = and <16 x i32> %qw{b}, splat (i32 15)\n  %hi{b} = lshr <16 x i32> %qw{b}, splat (i32 4)\n"
-                 f"  %q{b}0 = uitofp <16 x i32> %lo{b} to {VECTOR}\n  %q{b}1 = uitofp <16 x i32> %hi{b} to {VECTOR}\n")
+        text += (f"  %qvb = load <16 x i8>, ptr %qpb, align 1\n  %qwb = zext <16 x i8> %qvb to <16 x i32>\n"
+                 f"  %lob = and <16 x i32> %qwb, splat (i32 15)\n  %hib = lshr <16 x i32> %qwb, splat (i32 4)\n"
+                 f"  %qb0 = uitofp <16 x i32> %lob to {VECTOR}\n  %qb1 = uitofp <16 x i32> %hib to {VECTOR}\n")
     else:  # Q8_0: 32 signed bytes
-        text += (f"  %qv{b} = load <32 x i8>, ptr %qp{b}, align 1\n  %qw{b} = sext <32 x i8> %qv{b} to <32 x i32>\n"
-                 f"  %qf{b} = sitofp <32 x i32> %qw{b} to <32 x float>\n"
-                 f"  %q{b}0 = shufflevector <32 x float> %qf{b}, <32 x float> poison, <16 x i32> <{_lanes(0, 16)}>\n"
-                 f"  %q{b}1 = shufflevector <32 x float> %qf{b}, <32 x float> poison, <16 x i32> <{_lanes(16, 32)}>\n")
-    text += f"  %dp{b} = getelementptr float, ptr %d0, i64 %{b}\n  %db{b} = load float, ptr %dp{b}, align 4\n"
-    text += _splat(f"dv{b}", f"%db{b}")
+        text += (f"  %qvb = load <32 x i8>, ptr %qpb, align 1\n  %qwb = sext <32 x i8> %qvb to <32 x i32>\n"
+                 f"  %qfb = sitofp <32 x i32> %qwb to <32 x float>\n"
+                 f"  %qb0 = shufflevector <32 x float> %qfb, <32 x float> poison, <16 x i32> <{_lanes(0, 16)}>\n"
+                 f"  %qb1 = shufflevector <32 x float> %qfb, <32 x float> poison, <16 x i32> <{_lanes(16, 32)}>\n")
+    text += f"  %dpb = getelementptr float, ptr %d0, i64 %b\n  %dbb = load float, ptr %dpb, align 4\n"
+    text += _splat(f"dvb", f"%dbb")
     if minimum:
-        text += f"  %mp{b} = getelementptr float, ptr %m0, i64 %{b}\n  %mb{b} = load float, ptr %mp{b}, align 4\n"
-        text += _splat(f"mv{b}", f"%mb{b}")
+        text += f"  %mpb = getelementptr float, ptr %m0, i64 %b\n  %mbb = load float, ptr %mpb, align 4\n"
+        text += _splat(f"mvb", f"%mbb")
     for h in (0, 1):
-        text += (f"  %w{b}{h} = call {VECTOR} {FMA}({VECTOR} %q{b}{h}, {VECTOR} %dv{b}, {VECTOR} %mv{b})\n"
-                 if minimum else f"  %w{b}{h} = fmul {VECTOR} %q{b}{h}, %dv{b}\n")
-    text += f"  %xb{b} = mul i64 %{b}, 32\n"
+        text += (f"  %wb{h} = call {VECTOR} {FMA}({VECTOR} %qb{h}, {VECTOR} %dvb, {VECTOR} %mvb)\n"
+                 if minimum else f"  %wb{h} = fmul {VECTOR} %qb{h}, %dvb\n")
+    text += f"  %xbb = mul i64 %b, 32\n"
     for j in range(rows):
         for h in (0, 1):
-            text += (f"  %xp{j}{b}{h} = getelementptr float, ptr %x{j}, i64 %xb{b}\n" if h == 0 else
-                     f"  %xp{j}{b}{h} = getelementptr float, ptr %xp{j}{b}0, i64 16\n")
-            text += (f"  %x{j}{b}{h} = load {VECTOR}, ptr %xp{j}{b}{h}, align 4\n"
-                     f"  %a{j}_{sums}{h}.next = call {VECTOR} {FMA}({VECTOR} %w{b}{h}, {VECTOR} %x{j}{b}{h}, "
-                     f"{VECTOR} %a{j}_{sums}{h})\n")
+            text += (f"  %xp{j}b{h} = getelementptr float, ptr %x{j}, i64 %xbb\n" if h == 0 else
+                     f"  %xp{j}b{h} = getelementptr float, ptr %xp{j}b0, i64 16\n")
+            text += (f"  %x{j}b{h} = load {VECTOR}, ptr %xp{j}b{h}, align 4\n"
+                     f"  %a{j}_s{h}.next = call {VECTOR} {FMA}({VECTOR} %wb{h}, {VECTOR} %x{j}b{h}, "
+                     f"{VECTOR} %a{j}_s{h})\n")
     return text
 
 
@@ -121,7 +121,7 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
     for j in range(rows):
         for h in (0, 1):
             text += f"  %a{j}_s{h} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{j}_s{h}.next, %loop ]\n"
-    text += _block(kind, rows, "b", "s")
+    text += _block(kind, rows)
     text += ("  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n"
              "  br i1 %done, label %end, label %loop\nend:\n")
     for j in range(rows):
@@ -230,6 +230,11 @@ class Blocks:
         q = np.ascontiguousarray(raw[:, :, 4 if minimum else 2 :]).reshape(raw.shape[0], -1)
         return cls(kind, q, d, m)
 
+    @property
+    def nbytes(self) -> int:
+        """What the kernel reads of these blocks (Q8_0 has no minimums)."""
+        return self.q.nbytes + self.d.nbytes + (self.m.nbytes if KINDS[self.kind][1] else 0)
+
     def rows(self, index) -> "Blocks":
         return Blocks(self.kind, self.q[index], self.d[index], self.m[index])
 
@@ -263,7 +268,14 @@ class Blocks:
 
 def _reader(path: Path):
     """gguf's GGUFReader, skipping over the contents of string arrays (the tokenizer's vocabulary and merges, of
-    no use here): reading them took 4 of the 5 seconds a load spent in this module."""
+    no use here): reading them took 4 of the 5 seconds a load spent in this module. The last file read is kept,
+    so that --weights auto's check and read_gguf parse it once (0.75 s)."""
+    stat = Path(path).stat()
+    return _read(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _read(path: str, size: int, modified: int):
     import gguf
 
     class TensorsOnly(gguf.GGUFReader):
@@ -277,7 +289,7 @@ def _reader(path: Path):
                     return end - offs, [], [], [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
             return super()._get_field_parts(offs, raw_type)
 
-    return TensorsOnly(str(path))
+    return TensorsOnly(path)
 
 
 def unreadable(path: Path) -> str | None:
