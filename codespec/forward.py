@@ -219,12 +219,11 @@ class LeanLlama:
             return
         angles = (target - source) * self.inv_freq.double()  # [half]
         turn = torch.polar(torch.ones_like(angles), angles).to(self.device)  # e^(i shift theta)
-        keys = cache.keys[:, :, source : source + count]  # [layers, kv_heads, count, dim]
-        turned = torch.view_as_complex(keys.double().reshape(*keys.shape[:-1], -1, 2).contiguous()) * turn
-        moved_keys = torch.view_as_real(turned).flatten(-2).to(cache.keys.dtype)
-        moved_values = cache.values[:, :, source : source + count].clone()
-        cache.keys[:, :, target : target + count] = moved_keys
-        cache.values[:, :, target : target + count] = moved_values
+        for layer in range(cache.shape[0]):  # a layer at a time: each step's few MB stay in the CPU's cache
+            keys = cache.keys[layer, :, source : source + count]  # [kv_heads, count, dim]
+            turned = torch.view_as_complex(keys.double().unflatten(-1, (-1, 2))) * turn
+            cache.keys[layer, :, target : target + count] = torch.view_as_real(turned).flatten(-2)
+            cache.values[layer, :, target : target + count] = cache.values[layer, :, source : source + count].clone()
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.weights) // 6, self.kv_heads, self.head_dim, self.INITIAL_CAPACITY,

@@ -61,7 +61,9 @@ def post(client, body: dict) -> dict:
     cached = answer.get("tokens_cached", 0)
     computed = answer.get("timings/prompt_n", 0)
     return {"seconds": time.perf_counter() - started, "content": answer.get("content", ""),
-            "reused": cached / max(cached + computed, 1), "prompt_tokens": cached + computed}
+            "reused": cached / max(cached + computed, 1), "prompt_tokens": cached + computed,
+            "prompt_ms": answer.get("timings/prompt_ms"), "predicted_n": answer.get("timings/predicted_n"),
+            "predicted_ms": answer.get("timings/predicted_ms")}
 
 
 def suggestion_lines(content: str) -> list[str]:
@@ -138,7 +140,8 @@ def run(client, positions: int) -> dict:
             continue
         after = post(client, fim_body(lines, y, prev, 1000))
         rows.append({"line": y, "shown_s": shown["seconds"], "after_s": after["seconds"], "after_reused": after["reused"],
-                     "prompt_tokens": after["prompt_tokens"], "first": shown["content"][:40]})
+                     "prompt_tokens": after["prompt_tokens"], "first": shown["content"][:40],
+                     **{f"after_{key}": after[key] for key in ("prompt_ms", "predicted_n", "predicted_ms")}})
     return {"rows": rows, "instruct_first_text_s": {"after warm-up" if typing is None else f"{typing:g} s typing":
                                                      instruct(client, source, typing) for typing in TYPING_SECONDS}}
 
@@ -170,7 +173,8 @@ def main(argv=None) -> int:
         print(f"--cache-reuse {value}: " + json.dumps(report[value]["summary"]), flush=True)
         for row in result["rows"]:
             print(f"  line {row['line']}: shown {row['shown_s']:.2f}s, after accept {row['after_s']:.2f}s "
-                  f"({row['after_reused']:.0%} of {row['prompt_tokens']} reused) first: {row['first']!r}")
+                  f"({row['after_reused']:.0%} of {row['prompt_tokens']} reused; prompt {row['after_prompt_ms']:.0f} ms, "
+                  f"{row['after_predicted_n']} tokens in {row['after_predicted_ms']:.0f} ms) first: {row['first']!r}")
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
     return 0
