@@ -219,6 +219,9 @@ class LeanLlama:
             return
         angles = (target - source) * self.inv_freq.double()  # [half]
         turn = torch.polar(torch.ones_like(angles), angles).to(self.device)  # e^(i shift theta)
+        if self.few_rows_kernel and target < source:  # on CPUs: numba, in place
+            attention.move_cached(cache.keys, cache.values, source, target, count, turn)
+            return
         for layer in range(cache.shape[0]):  # a layer at a time: each step's few MB stay in the CPU's cache
             keys = cache.keys[layer, :, source : source + count]  # [kv_heads, count, dim]
             turned = torch.view_as_complex(keys.double().unflatten(-1, (-1, 2))) * turn
@@ -260,7 +263,7 @@ class LeanLlama:
         masks: List[Optional[torch.Tensor]] = []
         for start, count, end, kernel in zip(starts, counts, ends, few):
             mask = None
-            if count > 1 and not kernel:  # query i sees keys 0..start+i
+            if count > 1 and not kernel and start > 0:  # query i sees keys 0..start+i (from 0: is_causal)
                 key_positions = torch.arange(end, device=self.device)
                 query_positions = torch.arange(start, end, device=self.device)[:, None]
                 mask = torch.zeros((count, end), dtype=self.dtype, device=self.device)

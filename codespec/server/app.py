@@ -37,6 +37,7 @@ log = logging.getLogger("codespec.server")
 # every route: a wrong key, a foreign Host or Origin, a bug; a body's routes: its mistakes, limits and the queue
 ANY_ROUTE_ERRORS = {status: {"model": ErrorResponse} for status in (401, 403, 500)}
 BODY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 422, 429)}
+OPENAI_ERRORS = {**BODY_ERRORS, 404: {"model": ErrorResponse}}  # and a model name this server does not serve
 ROUTES = {"/infill", "/completion", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics",
           "/slots"}
 
@@ -284,7 +285,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**streamed("OpenAI completion chunks (a failure: {\"error\": ...}), then [DONE]"),
-                         **BODY_ERRORS})
+                         **OPENAI_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI text completion; with `suffix`, fill-in-the-middle. `n_predict` or `max_tokens` 0 only warms
         the session's cache."""
@@ -320,7 +321,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
 
     @app.post("/v1/chat/completions", response_model=ChatResponse,
               responses={**streamed("OpenAI chat completion chunks (a failure: {\"error\": ...}), then [DONE]"),
-                         **BODY_ERRORS})
+                         **OPENAI_ERRORS})
     async def chat(body: ChatRequest, request: Request):
         """OpenAI chat completion, with the model's chat template. `n_predict` or `max_tokens` 0 only warms the
         session's cache (llama.vim's instruction warm-up)."""

@@ -112,3 +112,25 @@ def test_a_chunk_may_start_a_few_tokens_later_and_those_are_computed(tokenizer):
     cold_logits, _ = last_logits(engine, "cold", after)
     assert reused == len(flat(text[3:25]))  # the two new tokens are not counted as reused
     assert (reused_logits - cold_logits).abs().max().item() < 1e-5
+
+
+def test_the_cpu_kernel_moves_exactly_as_pytorch_does(tokenizer):
+    """On CPUs in float32 a move runs in numba, in place (attention.move_cached): the same turned keys, bit for bit,
+    as the PyTorch rotation in float64 that other devices and dtypes take, and the values unchanged. The chunk
+    moved overlaps where it came from, as when a window slides by a few lines."""
+    config = LlamaConfig(**{**tiny_config(VOCAB, 1024), "num_hidden_layers": 2})
+    torch.manual_seed(5)
+    engine = Engine(LlamaForCausalLM(config).eval(), tokenizer, PLAIN, eos_token_ids=frozenset({EOS}))
+    path = engine.path
+    assert path.few_rows_kernel  # the numba path is the one under test
+    moved, reference = path.new_cache(), path.new_cache()
+    moved.keys.normal_(), moved.values.normal_()
+    reference.keys.copy_(moved.keys), reference.values.copy_(moved.values)
+    keys, values = moved.keys.clone(), moved.values.clone()
+    path.move(moved, 300, 7, 500)
+    path.few_rows_kernel = False  # the PyTorch rotation
+    path.move(reference, 300, 7, 500)
+    assert torch.equal(moved.keys, reference.keys)
+    assert torch.equal(moved.values, reference.values)
+    assert torch.equal(moved.values[:, :, 7:507], values[:, :, 300:800])
+    assert not torch.equal(moved.keys[:, :, 7:507], keys[:, :, 300:800])  # the keys did turn
