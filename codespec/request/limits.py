@@ -70,18 +70,29 @@ class BlockLimit:
 
 
 class TimeLimit:
-    """llama.cpp's t_max_predict_ms: once this long has passed since the first text, stop at a complete line."""
+    """llama.cpp's t_max_predict_ms: once this long has passed since the first text, stop at the next line break
+    that comes (llama.cpp: upon the next token holding one). A step may bring several tokens: the text ends after
+    that line break and the indentation that follows it (newline tokens usually carry it), not at the
+    step's end, so it never ends part-way into a new line."""
 
     def __init__(self, milliseconds: int):
         self.seconds = milliseconds / 1000.0
         self.first_at: float | None = None
+        self.judged = 0  # how much of the text was seen: only line breaks that come after the time count
 
     def cut(self, text: str, final: bool = False) -> int | None:
         if self.first_at is None:
             self.first_at = time.perf_counter()
-        if final or time.perf_counter() - self.first_at <= self.seconds or "\n" not in text:
+        start, self.judged = self.judged, len(text)
+        if final or time.perf_counter() - self.first_at <= self.seconds:
             return None
-        return len(text)
+        end = text.find("\n", start)
+        if end < 0:
+            return None
+        end += 1
+        while end < len(text) and text[end] in " \t":
+            end += 1
+        return end
 
     def safe(self, text: str) -> int:
         return len(text)

@@ -98,8 +98,19 @@ def test_time_limit_stops_after_a_complete_line():
     first, stop = out.feed("abc")
     assert (first, stop) == ("abc", False)  # no line finished yet: it goes on
     time.sleep(0.01)
-    delta, stop = out.feed("def\nghi")
-    assert stop and first + delta == "abcdef\nghi" and out.stopped
+    delta, stop = out.feed("def\n  ghi")
+    assert stop and first + delta == "abcdef\n  " and out.stopped  # the line break and its indentation
+
+
+def test_time_limit_waits_for_a_line_break_after_the_time_as_llama_cpp_does():
+    """llama.cpp checks the time only when a new token holds a line break: a line that was still being written when
+    the time ran out is finished first, so the text never ends half-way through a line."""
+    out = OutputFilter([TimeLimit(1)])
+    out.feed("x = 1\ny")
+    time.sleep(0.01)
+    assert out.feed(" = 2") == (" = 2", False)  # the time is up, but this line is not done
+    delta, stop = out.feed("\n    z = 3\n")  # a step of several tokens: it ends at the first line break
+    assert stop and out.text == "x = 1\ny = 2\n    "
 
 
 def test_time_limit_does_not_call_a_finished_text_limited():
