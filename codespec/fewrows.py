@@ -8,9 +8,12 @@ costs, plus whatever runs around the matrix products. Two things shrink here:
   high 16 bits, two to an int32, half the bytes; the kernel widens them back (a shift, or a mask) as it reads,
   so it multiplies by exactly the weights the float32 path uses, with float32 sums.
 - **Calls.** PyTorch runs a layer as ~20 small kernels, each a dispatch and a thread-pool wake-up (about 8 ms
-  of a 30 ms forward here). Here a layer is four numba calls and one PyTorch softmax: norm, the q/k/v projection
-  and rotary embedding in one; attention against the caches (attention.py's kernels, which also write the new
-  keys and values); the output projection, norm, MLP and both residual adds in the last.
+  of a 30 ms forward here). Here a layer is four numba calls: norm, the q/k/v projection and rotary embedding in
+  one; attention against the caches (attention.py's kernels, which also write the new keys and values, and its
+  softmax); the output projection, norm, MLP and both residual adds in the last. When every sequence attends in
+  those kernels, the layer loop itself runs in numba too (`_layers`): the Python loop's calls and array views
+  cost ~1.5 ms of a 7.5 ms one-token forward (measured back to back, 17-20% at one row, 4-14% at four, 5% for
+  8 sessions of one row each).
 
 Rows are summed four at a time where a batch has four (each widened weight serves all four), then two of the
 rest together, the last alone: a verify forward's logits may differ from decoding alone in the last bits, as
@@ -32,23 +35,16 @@ import numpy as np
 import torch
 from numba import prange
 from numba.core import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from . import attention, quantized
+from .attention import _float_bits
 
 FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
 EMPTY = np.zeros(0, dtype=np.float32)  # no bias, no norm
 L1_ROWS = 8  # up to this many rows, a projection's inputs stay in L1 while a thread runs over output columns
 OUTPUTS = 16  # past L1_ROWS, a thread takes blocks of this many output columns and runs each block of rows
 # over their weights while they sit in L2 (measured: 16 rows 63 -> 50 ms a forward)
-
-
-@intrinsic
-def _float_bits(typingctx, bits):
-    """The float32 whose bits are `bits` (uint32)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-    return types.float32(types.uint32), codegen
 
 
 @numba.njit(inline="always", fastmath=True, cache=True, boundscheck=False)
@@ -196,9 +192,11 @@ class Weights:
 
     def __init__(self, norms: list[torch.Tensor], biases: list, projections: list,
                  final_norm: torch.Tensor, head):
-        self.norms = [n.detach().float().contiguous().numpy() for n in norms]
-        self.biases = [EMPTY if b is None else b.detach().float().contiguous().numpy() for b in biases]
-        self.projections = [_kernel_weight(w) for w in projections]
+        # typed lists: the layer loop (_layers) takes them whole
+        self.norms = numba.typed.List([n.detach().float().contiguous().numpy() for n in norms])
+        self.biases = numba.typed.List([EMPTY if b is None else b.detach().float().contiguous().numpy()
+                                        for b in biases])
+        self.projections = numba.typed.List([_kernel_weight(w) for w in projections])
         self.final_norm = final_norm.detach().float().contiguous().numpy()
         self.head = _kernel_weight(head)
         self.nbytes = sum(w.nbytes if isinstance(w, quantized.Blocks) else w.numel() * 2  # what a forward reads
@@ -230,6 +228,23 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
     attended[apart.first : apart.first + apart.count] = out.view(apart.count, heads, dim).numpy()
 
 
+@numba.njit(cache=True, boundscheck=False)
+def _layers(x, norms, biases, projections, eps, turn, table, scores, probabilities, attended, heads, kv_heads):
+    """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels (the
+    Python loop in `forward` costs ~0.5 ms a forward in calls and array views)."""
+    rows, dim = x.shape[0], attended.shape[2]
+    qk_size = (heads + kv_heads) * dim
+    for layer in range(len(projections) // 4):
+        qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], turn, qk_size)
+        qk = np.ascontiguousarray(qkv[:, :qk_size]).reshape(rows, heads + kv_heads, dim)
+        v = np.ascontiguousarray(qkv[:, qk_size:]).reshape(rows, kv_heads, dim)
+        attention._scores(qk, v, table, layer, heads, kv_heads, scores)
+        attention.softmax(scores, probabilities)
+        attention._weighted_values(probabilities, table, layer, heads, kv_heads, attended)
+        _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), projections[4 * layer + 1],
+                               norms[2 * layer + 1], eps, projections[4 * layer + 2], projections[4 * layer + 3])
+
+
 def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Optional[torch.Tensor], score_rows: int,
             width: int, apart: list[Apart], keep: list[int], eps: float, heads: int, kv_heads: int,
             dim: int) -> torch.Tensor:
@@ -247,6 +262,10 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
         scores = scores[: score_rows * width].view(score_rows, width)
         probabilities = probabilities[: score_rows * width].view(score_rows, width)
     attended = np.empty((rows, heads, dim), dtype=np.float32)
+    if table is not None and not apart:  # the whole layer loop in numba
+        _layers(x, weights.norms, weights.biases, weights.projections, eps, turn, table_np, scores.numpy(),
+                probabilities.numpy(), attended, heads, kv_heads)
+        return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
     qk_size = (heads + kv_heads) * dim
     for layer in range(len(weights.projections) // 4):
         qkv_w, o_w, gate_up_w, down_w = weights.projections[4 * layer : 4 * layer + 4]
@@ -255,7 +274,7 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
             qk = np.ascontiguousarray(qkv[:, :qk_size]).reshape(rows, heads + kv_heads, dim)  # strided: unvectorised
             v = qkv[:, qk_size:].reshape(rows, kv_heads, dim)
             attention._scores(qk, v, table_np, layer, heads, kv_heads, scores.numpy())
-            torch._softmax(scores, -1, False, out=probabilities)
+            attention.softmax(scores.numpy(), probabilities.numpy())
             attention._weighted_values(probabilities.numpy(), table_np, layer, heads, kv_heads, attended)
         for sequence in apart:
             _attend_apart(sequence, layer, qkv, attended, heads, kv_heads, dim)
