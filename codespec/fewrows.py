@@ -230,8 +230,8 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
 
 @numba.njit(cache=True, boundscheck=False)
 def _layers(x, norms, biases, projections, eps, turn, table, scores, probabilities, attended, heads, kv_heads):
-    """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels (the
-    Python loop in `forward` costs ~0.5 ms a forward in calls and array views)."""
+    """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels: the
+    Python loop in `forward`, without its calls and array views (see the module's doc)."""
     rows, dim = x.shape[0], attended.shape[2]
     qk_size = (heads + kv_heads) * dim
     for layer in range(len(projections) // 4):

@@ -222,7 +222,7 @@ class LeanLlama:
         if self.few_rows_kernel and target < source:  # on CPUs: numba, in place
             attention.move_cached(cache.keys, cache.values, source, target, count, turn)
             return
-        for layer in range(cache.shape[0]):  # a layer at a time: each step's few MB stay in the CPU's cache
+        for layer in range(cache.shape[0]):  # elsewhere (GPUs, other dtypes) PyTorch, a layer at a time
             keys = cache.keys[layer, :, source : source + count]  # [kv_heads, count, dim]
             turned = torch.view_as_complex(keys.double().unflatten(-1, (-1, 2))) * turn
             cache.keys[layer, :, target : target + count] = torch.view_as_real(turned).flatten(-2)
