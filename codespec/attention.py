@@ -323,12 +323,12 @@ _NOTICED = threading.Event()
 @contextlib.contextmanager
 def compiling_notice(seconds: float = 1.0):
     """One line on stderr, once per process, when loading the kernels takes longer than `seconds`: the first use
-    on a machine compiles them (about 18 s on 2 cores for attention.py and fewrows.py together; then they load
-    from numba's on-disk cache in well under a second)."""
+    on a machine compiles them (about 30 s on 2 cores for attention.py, fewrows.py and quantized.py together;
+    then they load from numba's on-disk cache in well under a second)."""
     def say():
         if not _NOTICED.is_set():
             _NOTICED.set()
-            print("codespec: compiling the CPU kernels (numba, once per machine, about 20 s)", file=sys.stderr,
+            print("codespec: compiling the CPU kernels (numba, once per machine, about 30 s)", file=sys.stderr,
                   flush=True)
     timer = threading.Timer(seconds, say)
     timer.daemon = True
