@@ -212,7 +212,7 @@ def attend_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tor
     end = start + count
     keys[:, start:end] = k.transpose(0, 1)
     values[:, start:end] = v.transpose(0, 1)
-    causal = start == 0 and mask is None and count > 1
+    causal = start == 0 and count > 1  # (a mask is built only for rows that start later)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys[:, :end].unsqueeze(0),
                                          values[:, :end].unsqueeze(0), attn_mask=mask, is_causal=causal, scale=1.0,
                                          enable_gqa=True)

@@ -229,18 +229,28 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
 
 
 @numba.njit(cache=True, boundscheck=False)
+def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended):
+    """The attention of the sequences in `table` (attention.py's kernels) at `layer`, from the rotated q/k/v
+    projection [rows, (heads + 2 kv_heads) dim], into attended [rows, heads, dim]. q and k go to the kernels as a
+    contiguous copy: as a strided view they compile unvectorised (see the module's doc)."""
+    rows, dim = qkv.shape[0], attended.shape[2]
+    qk_size = (heads + kv_heads) * dim
+    qk = np.ascontiguousarray(qkv[:, :qk_size]).reshape(rows, heads + kv_heads, dim)
+    v = np.ascontiguousarray(qkv[:, qk_size:]).reshape(rows, kv_heads, dim)
+    attention._scores(qk, v, table, layer, heads, kv_heads, scores)
+    attention.softmax(scores, probabilities)
+    attention._weighted_values(probabilities, table, layer, heads, kv_heads, attended)
+
+
+@numba.njit(cache=True, boundscheck=False)
 def _layers(x, norms, biases, projections, eps, turn, table, scores, probabilities, attended, heads, kv_heads):
     """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels: the
     Python loop in `forward`, without its calls and array views (see the module's doc)."""
     rows, dim = x.shape[0], attended.shape[2]
-    qk_size = (heads + kv_heads) * dim
     for layer in range(len(projections) // 4):
-        qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], turn, qk_size)
-        qk = np.ascontiguousarray(qkv[:, :qk_size]).reshape(rows, heads + kv_heads, dim)
-        v = np.ascontiguousarray(qkv[:, qk_size:]).reshape(rows, kv_heads, dim)
-        attention._scores(qk, v, table, layer, heads, kv_heads, scores)
-        attention.softmax(scores, probabilities)
-        attention._weighted_values(probabilities, table, layer, heads, kv_heads, attended)
+        qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], turn,
+                            (heads + kv_heads) * dim)
+        _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), projections[4 * layer + 1],
                                norms[2 * layer + 1], eps, projections[4 * layer + 2], projections[4 * layer + 3])
 
@@ -256,26 +266,22 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
     rows = x.shape[0]
     x = x.contiguous().numpy().copy()
     turn = torch.view_as_real(rotary.reshape(rows, -1)).contiguous().numpy()  # [rows, dim/2, (cos, sin)]
-    if table is not None:
-        table_np = table.numpy()
-        scores, probabilities = attention._scratch(score_rows * width)
-        scores = scores[: score_rows * width].view(score_rows, width)
-        probabilities = probabilities[: score_rows * width].view(score_rows, width)
     attended = np.empty((rows, heads, dim), dtype=np.float32)
-    if table is not None and not apart:  # the whole layer loop in numba
-        _layers(x, weights.norms, weights.biases, weights.projections, eps, turn, table_np, scores.numpy(),
-                probabilities.numpy(), attended, heads, kv_heads)
-        return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
-    qk_size = (heads + kv_heads) * dim
+    if table is not None:
+        table = table.numpy()
+        scores, probabilities = attention._scratch(score_rows * width)
+        scores = scores[: score_rows * width].view(score_rows, width).numpy()
+        probabilities = probabilities[: score_rows * width].view(score_rows, width).numpy()
+        if not apart:  # the whole layer loop in numba
+            _layers(x, weights.norms, weights.biases, weights.projections, eps, turn, table, scores, probabilities,
+                    attended, heads, kv_heads)
+            return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
     for layer in range(len(weights.projections) // 4):
         qkv_w, o_w, gate_up_w, down_w = weights.projections[4 * layer : 4 * layer + 4]
-        qkv = _attention_in(x, weights.norms[2 * layer], eps, qkv_w, weights.biases[layer], turn, qk_size)
+        qkv = _attention_in(x, weights.norms[2 * layer], eps, qkv_w, weights.biases[layer], turn,
+                            (heads + kv_heads) * dim)
         if table is not None:
-            qk = np.ascontiguousarray(qkv[:, :qk_size]).reshape(rows, heads + kv_heads, dim)  # strided: unvectorised
-            v = qkv[:, qk_size:].reshape(rows, kv_heads, dim)
-            attention._scores(qk, v, table_np, layer, heads, kv_heads, scores.numpy())
-            attention.softmax(scores.numpy(), probabilities.numpy())
-            attention._weighted_values(probabilities.numpy(), table_np, layer, heads, kv_heads, attended)
+            _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended)
         for sequence in apart:
             _attend_apart(sequence, layer, qkv, attended, heads, kv_heads, dim)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), o_w, weights.norms[2 * layer + 1], eps,
