@@ -220,30 +220,33 @@ def attend_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tor
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False)
-def _move(keys, values, source, target, count, turn):
-    """Positions source.. of every layer and KV head to target.. (target < source): values as they are, keys (pairs
-    rotated by their position) turned by turn [dim / 2, (cos, sin)], in float64 and rounded once."""
+def _move(keys, values, into_keys, into_values, source, target, count, turn):
+    """Positions source.. of every layer and KV head to target.. of the `into` caches (the same ones, with target <
+    source, or others): values as they are, keys (pairs rotated by their position) turned by turn [dim / 2,
+    (cos, sin)], in float64 and rounded once."""
     layers, kv_heads = keys.shape[0], keys.shape[1]
     half = turn.shape[0]
     for task in prange(layers * kv_heads):
         layer, head = task // kv_heads, task % kv_heads
-        for i in range(count):  # rising: a position is read before any write reaches it
-            old, new = keys[layer, head, source + i], keys[layer, head, target + i]
+        for i in range(count):  # rising: within one cache a position is read before any write reaches it
+            old, new = keys[layer, head, source + i], into_keys[layer, head, target + i]
             for pair in range(half):
                 x, y = np.float64(old[2 * pair]), np.float64(old[2 * pair + 1])
                 c, s = turn[pair, 0], turn[pair, 1]
                 new[2 * pair] = x * c - y * s
                 new[2 * pair + 1] = x * s + y * c
-            values[layer, head, target + i] = values[layer, head, source + i]
+            into_values[layer, head, target + i] = values[layer, head, source + i]
 
 
 def move_cached(keys: torch.Tensor, values: torch.Tensor, source: int, target: int, count: int,
-                turn: torch.Tensor) -> None:
+                turn: torch.Tensor, into: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """forward.LeanLlama.move for CPU caches ([layers, kv_heads, capacity, dim], float32 or float64): one pass, in
-    place, no temporaries (a layer at a time in PyTorch cost 25-160 ms for 2,500 positions, most of it allocation
-    and per-operation overhead; this takes a few)."""
+    place (or into another cache's keys and values: `into`), no temporaries (a layer at a time in PyTorch cost
+    25-160 ms for 2,500 positions, most of it allocation and per-operation overhead; this takes a few)."""
     match_threads()
-    _move(keys.numpy(), values.numpy(), source, target, count, torch.view_as_real(turn).contiguous().numpy())
+    into_keys, into_values = into if into is not None else (keys, values)
+    _move(keys.numpy(), values.numpy(), into_keys.numpy(), into_values.numpy(), source, target, count,
+          torch.view_as_real(turn).contiguous().numpy())
 
 
 def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor, layer: int,
@@ -314,6 +317,7 @@ def ready() -> bool:
     with compiling_notice():
         cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 5)
         move_cached(keys, values, 4, 1, 3, torch.ones(2, dtype=torch.complex128))
+        move_cached(keys, values, 1, 4, 3, torch.ones(2, dtype=torch.complex128), (keys.clone(), values.clone()))
     return numba.threading_layer() in ("omp", "tbb")
 
 

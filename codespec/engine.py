@@ -62,6 +62,11 @@ class Chunk:
     stats: GenerationStats | None = None  # the generation's statistics so far (live: progress, a cut-short job)
 
 
+def namespace(session_id: str) -> str:
+    """The API key's namespace a session name starts with (server/middleware.py: "k0|", ...), or ""."""
+    return session_id[: session_id.index("|") + 1] if "|" in session_id else ""
+
+
 def auto_gguf(model_config: ModelConfig, model) -> Path | None:
     """--weights auto: the GGUF the model came from when its blocks can run here (the lean forward on a CPU in
     float32, numba's pool, every projection Q4_1 or Q8_0), else None (the converted checkpoint's weights)."""
@@ -148,10 +153,21 @@ class Engine:
         else:  # same drafters: what they hold stays, only the per-step limits change
             session.chain.draft_min = spec.draft_min
         session.reuse_min = self.cache_reuse
+        session.donors = (lambda: self.donors(session_id)) if session_id is not None else None
         if session_id is not None:  # most recently used last: evict() drops from the front
             self.sessions[session_id] = self.sessions.pop(session_id)
         session.spec = spec
         return session
+
+    DONORS = 8  # the most recently used sessions whose caches a prompt may borrow chunks from (--cache-reuse)
+
+    def donors(self, session_id: str) -> list[Session]:
+        """The sessions a session's prompt may borrow cached chunks from (Session.borrowing): the most recently used
+        others of its API key's namespace (a name's part up to "|": clients with different keys share nothing)."""
+        tenant = namespace(session_id)
+        others = [session for name, session in reversed(self.sessions.items())
+                  if name != session_id and namespace(name) == tenant]
+        return others[: self.DONORS]
 
     def sessions_info(self, prefix: str = "") -> list[SessionInfo]:
         """The named sessions whose id starts with `prefix`, least recently used first."""

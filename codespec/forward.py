@@ -210,23 +210,26 @@ class LeanLlama:
         return rotary.to(torch.complex128 if self.dtype == torch.float64 else torch.complex64).to(self.device)
 
     @torch.no_grad()
-    def move(self, cache: StaticCache, source: int, target: int, count: int) -> None:
-        """Move the cached keys and values of positions source.. to target.. (llama-server's --cache-reuse): the
-        keys are stored rotated by their position, so they are turned by the angle of the shift, in float64. The
-        values move as they are. Only the rotary part is exact: the moved tokens keep the attention they had to the
-        text that preceded them before, so their deeper layers differ from a recomputation (see Session.prepare)."""
-        if source == target or count <= 0:
+    def move(self, cache: StaticCache, source: int, target: int, count: int,
+             into: Optional[StaticCache] = None) -> None:
+        """Move the cached keys and values of positions source.. to target.. (llama-server's --cache-reuse), within
+        the cache (target < source) or into another one (`into`, with room for them): the keys are stored rotated
+        by their position, so they are turned by the angle of the shift, in float64. The values move as they are.
+        Only the rotary part is exact: the moved tokens keep the attention they had to the text that preceded
+        them before, so their deeper layers differ from a recomputation (see Session.prepare)."""
+        into = into if into is not None else cache
+        if (into is cache and source == target) or count <= 0:
             return
         angles = (target - source) * self.inv_freq.double()  # [half]
         turn = torch.polar(torch.ones_like(angles), angles).to(self.device)  # e^(i shift theta)
-        if self.few_rows_kernel and target < source:  # on CPUs: numba, in place
-            attention.move_cached(cache.keys, cache.values, source, target, count, turn)
+        if self.few_rows_kernel and (into is not cache or target < source):  # on CPUs: numba, in place
+            attention.move_cached(cache.keys, cache.values, source, target, count, turn, (into.keys, into.values))
             return
         for layer in range(cache.shape[0]):  # elsewhere (GPUs, other dtypes) PyTorch, a layer at a time
             keys = cache.keys[layer, :, source : source + count]  # [kv_heads, count, dim]
             turned = torch.view_as_complex(keys.double().unflatten(-1, (-1, 2))) * turn
-            cache.keys[layer, :, target : target + count] = torch.view_as_real(turned).flatten(-2)
-            cache.values[layer, :, target : target + count] = cache.values[layer, :, source : source + count].clone()
+            into.keys[layer, :, target : target + count] = torch.view_as_real(turned).flatten(-2)
+            into.values[layer, :, target : target + count] = cache.values[layer, :, source : source + count].clone()
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.weights) // 6, self.kv_heads, self.head_dim, self.INITIAL_CAPACITY,

@@ -23,6 +23,7 @@ class Session:
         self.cache = path.new_cache()
         self.adaptive = None  # acceptance evidence per drafter, set by the engine (adaptive.py)
         self.reuse_min = 0  # > 0: reuse cached chunks of at least this many tokens at shifted positions
+        self.donors = None  # with reuse_min: () -> the sessions whose caches it may borrow chunks from (Engine.session)
         self._tokens = np.zeros(1024, dtype=np.int64)
         self.length = 0
 
@@ -50,6 +51,10 @@ class Session:
         on: reuse_chunks); return the prompt tokens whose keys and values came from the cache."""
         common = common_prefix(self.history, prompt)
         moves = self.reuse_chunks(prompt, common) if self.reuse_min > 0 and common < self.cached else []
+        if self.reuse_min > 0 and self.donors is not None:
+            plan = self.borrowing(prompt, common, min(common, self.cached) + sum(count for *_, count in moves))
+            if plan:
+                return self.borrow(prompt, common, plan)
         if common < self.length:
             self.truncate(common)  # the history was rewritten: tell the drafters
         computed = 0
@@ -97,6 +102,63 @@ class Session:
             else:
                 source += 1
         return moves
+
+    INDEX = 8  # tokens a borrowed chunk is looked up by
+
+    def borrowing(self, prompt: list[int], common: int, reused: int) -> list[tuple]:
+        """Chunks of at least reuse_min tokens that the prompt holds and this session's cache (at any position, also
+        later ones) or a donor's cache has: what llama.vim's :LlamaInstruct needs, whose prompt holds the lines its
+        FIM requests cached, in a chat message further on and often in another slot. Returns (cache, source,
+        target, count) copies in prompt order, the first the common prefix, when they cover at least reuse_min
+        more of the prompt than `reused` (what the same session's prefix and moves would reuse); else []."""
+        end = len(prompt) - 1  # the last prompt token is always fed
+        if end - reused < self.reuse_min or not hasattr(self.path, "move"):
+            return []
+        donors = [(self.cache, self._tokens[: self.cached].tolist())]
+        donors += [(other.cache, other._tokens[: other.cached].tolist()) for other in self.donors()
+                   if other is not self and other.path is self.path]
+        index = {}
+        for number, (_, tokens) in enumerate(donors):
+            for position in range(len(tokens) - self.INDEX + 1):
+                index.setdefault(tuple(tokens[position : position + self.INDEX]), (number, position))
+        plan = [(self.cache, 0, 0, min(common, self.cached))] if min(common, self.cached) > 0 else []
+        target = plan[0][3] if plan else 0
+        while target + self.INDEX <= end:
+            found = index.get(tuple(prompt[target : target + self.INDEX]))
+            count = 0
+            if found is not None:
+                number, source = found
+                tokens = donors[number][1]
+                while (source + count < len(tokens) and target + count < end
+                       and tokens[source + count] == prompt[target + count]):
+                    count += 1
+            if count >= self.reuse_min:
+                plan.append((donors[number][0], source, target, count))
+                target += count
+            else:
+                target += 1
+        return plan if sum(count for *_, count in plan) >= reused + self.reuse_min else []
+
+    def borrow(self, prompt: list[int], common: int, plan: list[tuple]) -> int:
+        """Build a fresh cache for `prompt` from the copies in `plan` (`borrowing`), computing the tokens between
+        them; this session's old cache goes. The same approximation as the moves in reuse_chunks."""
+        if common < self.length:
+            self.truncate(common)  # the history was rewritten: tell the drafters
+        cache, position, computed = self.path.new_cache(), 0, 0
+        cache.reserve(len(prompt))
+        for donor, source, target, count in plan:
+            while position < target:  # the tokens between two chunks, in forwards of at most 256
+                cache.length = position
+                step = min(target, position + 256)
+                self.path(cache, prompt[position:step], 1)
+                computed, position = computed + step - position, step
+            self.path.move(donor, source, target, count, into=cache)
+            position = target + count
+        cache.length = position
+        self.cache = cache
+        self.append(prompt[common:])
+        self.crop_cache(min(self.cached, len(prompt) - 1))
+        return self.cached - computed
 
     def append(self, tokens: list[int]) -> None:
         needed = self.length + len(tokens)

@@ -13,7 +13,8 @@ past line 256 so the window slides), the user has just pressed Enter: the cursor
 - instruct: `:LlamaInstruct` on a 20-line selection, its messages as llama.vim builds them (the selection with 256
   lines before and 64 after in the system message): the `n_predict: 0` warm-up, sent when the instruction prompt
   opens, then the streamed instruction on Enter, 0, 1 or 2 s later or once the warm-up is done; the time from
-  Enter to the first streamed text.
+  Enter to the first streamed text. Cold (slot 1, nothing of it cached), then right after a FIM suggestion on an
+  empty line inside the selection, in slot 0 (llama.vim's first instruction) and slot 1 (its second).
 
 Each --cache-reuse value runs on its own fresh server (0: prefix reuse only; 256: llama-server users' setting).
 """
@@ -100,12 +101,18 @@ def instruction_messages(lines: list[str], l0: int, l1: int, extra: list[dict], 
             {"role": "user", "content": f"INSTRUCTION: {instruction}" if instruction else ""}]
 
 
-def instruct(client, lines: list[str], typing: float | None) -> float:
+def instruct(client, lines: list[str], typing: float | None, slot: int = 1, after_fim: bool = False) -> float:
     """Seconds from sending :LlamaInstruct's instruction to its first streamed text. llama.vim sends the warm-up
-    (`n_predict: 0`) when its instruction prompt opens, and the instruction on Enter, `typing` seconds later."""
+    (`n_predict: 0`) when its instruction prompt opens, and the instruction on Enter, `typing` seconds later, to
+    slot `slot` (llama.vim's first instruction goes to slot 0, its FIM slot, the next to 1, 2, ...). after_fim:
+    a FIM suggestion was asked for on an empty line inside the selection first (slot 0), as while editing there:
+    the FIM slot holds most of the instruction's lines."""
+    if after_fim:
+        lines = lines[:310] + [""] + lines[310:]
+        post(client, fim_body(lines, 310, None, 250))
     messages = instruction_messages(lines, 301, 320, [], "Add type hints.")  # a 20-line selection
     warm_up = threading.Thread(target=lambda: client.post("/v1/chat/completions", json={
-        "messages": instruction_messages(lines, 301, 320, [], ""), "id_slot": 1, "n_predict": 0}))
+        "messages": instruction_messages(lines, 301, 320, [], ""), "id_slot": slot, "n_predict": 0}))
     warm_up.start()
     if typing is None:
         warm_up.join()
@@ -114,7 +121,7 @@ def instruct(client, lines: list[str], typing: float | None) -> float:
     started = time.perf_counter()
     try:
         with client.stream("POST", "/v1/chat/completions",
-                           json={"messages": messages, "id_slot": 1, "stream": True, "n_predict": 64}) as response:
+                           json={"messages": messages, "id_slot": slot, "stream": True, "n_predict": 64}) as response:
             response.raise_for_status()
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -124,8 +131,9 @@ def instruct(client, lines: list[str], typing: float | None) -> float:
         return float("nan")
     finally:
         warm_up.join()
-        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "-"}], "id_slot": 1,
-                                                  "n_predict": 0})  # the slot moves on: the next run starts cold
+        for used in {0, slot}:  # the slots move on: the next run starts cold
+            client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "-"}],
+                                                      "id_slot": used, "n_predict": 0})
 
 
 def run(client, positions: int) -> dict:
@@ -142,8 +150,15 @@ def run(client, positions: int) -> dict:
         rows.append({"line": y, "shown_s": shown["seconds"], "after_s": after["seconds"], "after_reused": after["reused"],
                      "prompt_tokens": after["prompt_tokens"], "first": shown["content"][:40],
                      **{f"after_{key}": after[key] for key in ("prompt_ms", "predicted_n", "predicted_ms")}})
-    return {"rows": rows, "instruct_first_text_s": {"after warm-up" if typing is None else f"{typing:g} s typing":
-                                                     instruct(client, source, typing) for typing in TYPING_SECONDS}}
+    for slot in (0, 1):  # nothing of the instruction cached: the FIM runs above left their prompts in slot 0
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "-"}], "id_slot": slot,
+                                                  "n_predict": 0})
+    first_text = {"after warm-up" if typing is None else f"{typing:g} s typing":
+                  instruct(client, source, typing) for typing in TYPING_SECONDS}
+    for typing in TYPING_SECONDS[:3]:  # right after a FIM suggestion inside the selection, as while editing there
+        first_text[f"{typing:g} s typing, after FIM"] = instruct(client, source, typing, 1, after_fim=True)
+    first_text["0 s typing, after FIM, slot 0"] = instruct(client, source, 0.0, 0, after_fim=True)
+    return {"rows": rows, "instruct_first_text_s": first_text}
 
 
 def summary(result: dict) -> dict:

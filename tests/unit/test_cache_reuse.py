@@ -44,7 +44,7 @@ def slid(tokenizer, layers: int, seed: int, before: slice, after: slice):
     engine = engine_with_layers(tokenizer, layers=layers, reuse=16)
     last_logits(engine, "editor", flat(text[before]))
     reused_logits, reused = last_logits(engine, "editor", flat(text[after]))
-    cold_logits, cold_reused = last_logits(engine, "cold", flat(text[after]))
+    cold_logits, cold_reused = last_logits(engine, "k9|cold", flat(text[after]))  # another namespace: no donors
     assert cold_reused == 0
     return text, engine, reused, (reused_logits - cold_logits).abs().max().item(), cold_logits
 
@@ -109,7 +109,7 @@ def test_a_chunk_may_start_a_few_tokens_later_and_those_are_computed(tokenizer):
     engine = engine_with_layers(tokenizer, layers=1, reuse=16)
     last_logits(engine, "editor", before)
     reused_logits, reused = last_logits(engine, "editor", after)
-    cold_logits, _ = last_logits(engine, "cold", after)
+    cold_logits, _ = last_logits(engine, "k9|cold", after)
     assert reused == len(flat(text[3:25]))  # the two new tokens are not counted as reused
     assert (reused_logits - cold_logits).abs().max().item() < 1e-5
 
@@ -134,3 +134,67 @@ def test_the_cpu_kernel_moves_exactly_as_pytorch_does(tokenizer):
     assert torch.equal(moved.values, reference.values)
     assert torch.equal(moved.values[:, :, 7:507], values[:, :, 300:800])
     assert not torch.equal(moved.keys[:, :, 7:507], keys[:, :, 300:800])  # the keys did turn
+
+
+def test_a_prompt_borrows_chunks_from_another_sessions_cache_and_one_layer_is_exact(tokenizer):
+    """llama.vim's :LlamaInstruct: a chat prompt in another slot holds, after its own header, the lines the FIM
+    slot cached, and between them the selection. Those chunks are copied from the FIM slot's cache (turned to
+    their new positions, here later ones) and only the rest is computed; with one layer, that is the
+    recomputation. The FIM slot keeps its cache."""
+    rng = np.random.default_rng(6)
+    text, header, middle = lines(rng, 30), [5, 6, 7] * 9, [9, 8] * 10
+    engine = engine_with_layers(tokenizer, layers=1, reuse=16)
+    fim = flat(text)
+    last_logits(engine, "slot-0", fim)
+    instruct = header + flat(text[2:20]) + middle + flat(text[20:28]) + [3, 4]
+    borrowed_logits, reused = last_logits(engine, "slot-1", instruct)
+    assert reused == len(flat(text[2:20] + text[20:28]))
+    cold_logits, cold_reused = last_logits(engine, "k9|cold", instruct)
+    assert cold_reused == 0
+    assert (borrowed_logits - cold_logits).abs().max().item() < 1e-5
+    assert engine.sessions["slot-0"].history.tolist() == fim and engine.sessions["slot-0"].cached == len(fim)
+    assert engine.sessions["slot-1"].history.tolist() == instruct
+
+
+def test_a_session_borrows_from_its_own_cache_at_later_positions(tokenizer):
+    """The first :LlamaInstruct goes to slot 0, where the FIM prompt sits: its lines come after the chat header,
+    at later positions than they were cached at, which an in-place move (leftwards only) cannot do; a fresh cache
+    takes them from the old one."""
+    rng = np.random.default_rng(7)
+    text, header = lines(rng, 25), [5, 6, 7] * 8
+    engine = engine_with_layers(tokenizer, layers=1, reuse=16)
+    last_logits(engine, "slot-0", flat(text))
+    prompt = header + flat(text[1:24]) + [3, 4]
+    borrowed_logits, reused = last_logits(engine, "slot-0", prompt)
+    assert reused == len(flat(text[1:24]))
+    cold_logits, _ = last_logits(engine, "k9|cold", prompt)
+    assert (borrowed_logits - cold_logits).abs().max().item() < 1e-5
+
+
+def test_sessions_of_other_api_keys_lend_nothing_and_reuse_off_borrows_nothing(tokenizer):
+    rng = np.random.default_rng(8)
+    text, header = lines(rng, 20), [5, 6, 7] * 8
+    prompt = header + flat(text) + [3]
+    engine = engine_with_layers(tokenizer, layers=1, reuse=16)
+    last_logits(engine, "k0|slot-0", flat(text))
+    assert last_logits(engine, "k1|slot-0", prompt)[1] == 0  # another key's namespace
+    assert last_logits(engine, "k0|slot-1", prompt)[1] == len(flat(text))
+    off = engine_with_layers(tokenizer, layers=1, reuse=0)
+    last_logits(off, "slot-0", flat(text))
+    assert last_logits(off, "slot-1", prompt)[1] == 0
+
+
+def test_speculation_stays_exact_over_a_borrowed_cache(tokenizer):
+    """Two layers: borrowed chunks differ from a cold prefill (as moved ones do), and speculative and plain
+    decoding of the same borrowed cache still agree."""
+    rng = np.random.default_rng(9)
+    text, header = lines(rng, 30), [5, 6, 7] * 8
+    prompt = header + flat(text[3:28]) + [3, 4]
+    params = SamplingParams(max_tokens=24)
+    results = {}
+    for spec in (PLAIN, SpecConfig(spec=("prompt-lookup",))):
+        engine = engine_with_layers(tokenizer, layers=2, reuse=16)
+        engine.generate(flat(text), params, session_id="slot-0", spec=spec)
+        results[spec.spec] = engine.generate(prompt, params, session_id="slot-1", spec=spec)
+        assert results[spec.spec].stats.cached_tokens == len(flat(text[3:28]))
+    assert results[PLAIN.spec].tokens == results[("prompt-lookup",)].tokens
