@@ -104,6 +104,7 @@ class Session:
         return moves
 
     INDEX = 8  # tokens a borrowed chunk is looked up by
+    GAP_FORWARD = 256  # prompt tokens per forward between borrowed chunks (computed inside prepare)
 
     def borrowing(self, prompt: list[int], common: int, reused: int) -> list[tuple]:
         """Chunks of at least reuse_min tokens that the prompt holds and this session's cache (at any position, also
@@ -147,9 +148,9 @@ class Session:
         cache, position, computed = self.path.new_cache(), 0, 0
         cache.reserve(len(prompt))
         for donor, source, target, count in plan:
-            while position < target:  # the tokens between two chunks, in forwards of at most 256
+            while position < target:  # the tokens between two chunks, in forwards of at most GAP_FORWARD
                 cache.length = position
-                step = min(target, position + 256)
+                step = min(target, position + self.GAP_FORWARD)
                 self.path(cache, prompt[position:step], 1)
                 computed, position = computed + step - position, step
             self.path.move(donor, source, target, count, into=cache)

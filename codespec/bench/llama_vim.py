@@ -101,6 +101,12 @@ def instruction_messages(lines: list[str], l0: int, l1: int, extra: list[dict], 
             {"role": "user", "content": f"INSTRUCTION: {instruction}" if instruction else ""}]
 
 
+def clear_slot(client, slot: int) -> None:
+    """The slot's cache holds a one-token prompt afterwards: what the next request finds there is cold."""
+    client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "-"}], "id_slot": slot,
+                                              "n_predict": 0})
+
+
 def instruct(client, lines: list[str], typing: float | None, slot: int = 1, after_fim: bool = False) -> float:
     """Seconds from sending :LlamaInstruct's instruction to its first streamed text. llama.vim sends the warm-up
     (`n_predict: 0`) when its instruction prompt opens, and the instruction on Enter, `typing` seconds later, to
@@ -132,8 +138,7 @@ def instruct(client, lines: list[str], typing: float | None, slot: int = 1, afte
     finally:
         warm_up.join()
         for used in {0, slot}:  # the slots move on: the next run starts cold
-            client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "-"}],
-                                                      "id_slot": used, "n_predict": 0})
+            clear_slot(client, used)
 
 
 def run(client, positions: int) -> dict:
@@ -151,8 +156,7 @@ def run(client, positions: int) -> dict:
                      "prompt_tokens": after["prompt_tokens"], "first": shown["content"][:40],
                      **{f"after_{key}": after[key] for key in ("prompt_ms", "predicted_n", "predicted_ms")}})
     for slot in (0, 1):  # nothing of the instruction cached: the FIM runs above left their prompts in slot 0
-        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "-"}], "id_slot": slot,
-                                                  "n_predict": 0})
+        clear_slot(client, slot)
     first_text = {"after warm-up" if typing is None else f"{typing:g} s typing":
                   instruct(client, source, typing) for typing in TYPING_SECONDS}
     for typing in TYPING_SECONDS[:3]:  # right after a FIM suggestion inside the selection, as while editing there
