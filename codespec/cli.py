@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, SPEC_CHOICES, WEIGHTS_CHOICES, ModelConfig,
-                     SamplingParams, ServerConfig, SpecConfig, unknown_drafters)
+from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, PROMPT_PRECISION_CHOICES, SPEC_CHOICES,
+                     WEIGHTS_CHOICES, ModelConfig, SamplingParams, ServerConfig, SpecConfig, unknown_drafters)
 from .errors import CodespecError
 
 
@@ -43,7 +43,7 @@ def bounded_int(low: int, high: int):
     return parse
 
 
-MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights")  # add_model_options' flags: ModelConfig's fields
+MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision")  # add_model_options' flags: ModelConfig's fields
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +57,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="auto (default: gguf where it runs, else checkpoint), checkpoint (the converted model, "
                              "bfloat16 values in float32) or gguf (the GGUF's own Q4_1/Q8_0 blocks, as llama-server "
                              "reads them: CPU, float32, lean forward)")
+    parser.add_argument("--prompt-precision", choices=PROMPT_PRECISION_CHOICES,
+                        help="how prompt chunks of more than 16 tokens are multiplied on a CPU in float32: auto "
+                             "(default: bfloat16 where it measures faster), float32, or bfloat16 (inputs and weights "
+                             "rounded to bfloat16, float32 sums); generated tokens always use float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -425,7 +429,7 @@ def run_lsp(args) -> int:
             raise CodespecError(f"--server wants an http:// or https:// URL, got {args.server!r}")
         if given:
             raise CodespecError("--server generates on that server's model: leave out --model, --device, --dtype, "
-                                "--forward and --weights")
+                                "--forward, --weights and --prompt-precision")
     serve(model_config, model_fixed=args.model is not None, tcp=tcp, server_url=server_url,
           api_key=args.api_key or None, cache_reuse=args.cache_reuse)
     return 0

@@ -17,6 +17,7 @@ MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the d
 FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers for non-Llama models
 WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py);
 # auto: those where they can run (a GGUF's Llama/Qwen2 model on a CPU in float32 on the lean forward), else checkpoint
+PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of prompt chunks (forward.LeanLlama)
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
 MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)
@@ -133,6 +134,8 @@ class ModelConfig:
     weights: str = "auto"  # checkpoint: the converted model's (bfloat16 values); gguf: the GGUF's own blocks,
     # which measured faster at every k up to 16 on these CPUs (README, "The GGUF's own blocks");
     # auto: gguf where it runs
+    prompt_precision: str = "auto"  # prompt chunks' projections on a float32 CPU: bfloat16 inputs and weights with
+    # float32 sums (2x the float32 matmul on CPUs with AVX512-BF16); auto: bfloat16 where it measures that much faster
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
     def validate(self) -> None:
@@ -140,6 +143,9 @@ class ModelConfig:
             raise ValueError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARD_CHOICES)}")
         if self.weights not in WEIGHTS_CHOICES:
             raise ValueError(f"unknown weights {self.weights!r}; choose from {', '.join(WEIGHTS_CHOICES)}")
+        if self.prompt_precision not in PROMPT_PRECISION_CHOICES:
+            raise ValueError(f"unknown prompt precision {self.prompt_precision!r}; choose from "
+                             f"{', '.join(PROMPT_PRECISION_CHOICES)}")
 
 
 SESSION_MEMORY = 2 << 30  # bytes of KV cache that named sessions may hold before the idlest are evicted (LRU)

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
-
 from .adaptive import Adaptive, CostModel, allocate
 from .forward import Rows
 from .healing import Constraint
@@ -168,12 +167,12 @@ def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_ma
                  constraint: Constraint | None = None) -> Iterator[Step]:
     """Run steps until EOS, max_tokens or the context is full, updating `stats` as it goes. A generator of
     Steps, with the steps' requests for a driver in between (generate_steps drives it alone). prefill_chunk:
-    the prompt tokens that are not cached yet go in forwards of at most that many (0: with the first step), so
-    a driver can run other sessions' steps in between."""
+    the prompt tokens that are not cached yet go in forwards of at most that many, so a driver can run other
+    sessions' steps in between (0: in one forward; up to SHORT_PROMPT of them go with the first step)."""
     started = time.perf_counter()
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = session.prepare(prompt)
-    if prefill_chunk > 0:
+    if prefill_chunk > 0 or len(session.pending) > SHORT_PROMPT:
         yield from prefill_rows(session, prefill_chunk)
     session.chain.begin(session.history, sampler.params)
     while True:
@@ -192,13 +191,17 @@ def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_ma
             return
 
 
+SHORT_PROMPT = 16  # uncached prompt tokens that go with the first step, not in a forward of their own (one that
+# the lean path may run in bfloat16: LeanLlama.prompt_weights)
+
+
 def prefill_rows(session: Session, chunk: int):
     """Forward requests that cache a prepared session's uncached prompt, at most `chunk` tokens each (0: one). The
     last prompt token stays pending: the first step needs its logits."""
     cold = session.pending[:-1]
     step = chunk if chunk > 0 else max(len(cold), 1)
     for start in range(0, len(cold), step):
-        yield Rows(session.cache, cold[start : start + step], 1)
+        yield Rows(session.cache, cold[start : start + step], 1, prompt=True)
 
 
 def generate_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,

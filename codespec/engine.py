@@ -97,11 +97,13 @@ class Engine:
     session_memory: int = SESSION_MEMORY  # KV-cache bytes named sessions may hold; evict() drops the idlest
     cache_reuse: int = 0  # > 0: reuse cached chunks of at least this many tokens at new positions (Session.prepare)
     gguf: Path | None = None  # --weights gguf: the lean forward runs this file's own blocks (quantized.py)
+    prompt_precision: str = ModelConfig.prompt_precision
 
     def __post_init__(self):
         self.spec.validate()
         # the target forward, all sessions
-        self.path = forward_path(self.model, lean=self.forward == "lean", gguf=self.gguf)
+        self.path = forward_path(self.model, lean=self.forward == "lean", gguf=self.gguf,
+                                 prompt_precision=self.prompt_precision)
         check_forward(self.path, self.model)
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
@@ -123,7 +125,8 @@ class Engine:
         model, tokenizer = load(model_config, show_progress=show_progress)
         if model_config.weights == "auto":
             gguf = auto_gguf(model_config, model)
-        return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf)
+        return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf,
+                   prompt_precision=model_config.prompt_precision)
 
     @property
     def context_length(self) -> int:

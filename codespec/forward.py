@@ -25,8 +25,10 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,7 @@ class Rows:
     ids: list[int]
     keep: int
     generating: bool = False  # the forward yields a token for it (not a prefill chunk)
+    prompt: bool = False  # a chunk of a prompt: its projections may run in bfloat16 (LeanLlama.prompt_weights)
     seconds: float = 0.0  # how long the forward it was part of took, once it ran
 
 
@@ -121,7 +124,7 @@ class LeanLlama:
     rewindable = True  # crop() only moves the length
 
     @torch.no_grad()
-    def __init__(self, model, gguf: Optional[Path] = None):
+    def __init__(self, model, gguf: Optional[Path] = None, prompt_precision: str = "float32"):
         config = model.config
         self.config = config
         self.heads = config.num_attention_heads
@@ -162,6 +165,8 @@ class LeanLlama:
             self.weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
             projections += [linear.weight for linear in linears]
         self.packed = self.lm_head.packed is not None
+        self.projections = projections  # float32, for prompt_weights
+        self.use_prompt_precision(prompt_precision)
         # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (fewrows.py)
         # or, with --weights gguf, reading the GGUF's own 4- and 8-bit blocks (quantized.py)
         self.fewrows = None
@@ -204,6 +209,19 @@ class LeanLlama:
             return "head_dim x heads != hidden size"
         return None
 
+    def use_prompt_precision(self, precision: str) -> None:
+        """How prompt chunks over more than fewrows.FEW_ROWS rows are multiplied (ModelConfig.prompt_precision).
+        bfloat16 (or auto, where that measures faster): in a forward of their own through prompt_weights, the
+        projections rounded to bfloat16, with float32 sums. Generated tokens and verified drafts always go
+        through self.weights, so speculative and plain decoding still agree; what changes is the cache of a long
+        prompt, by bfloat16's rounding. Only on CPUs in float32 (elsewhere the model's dtype decides)."""
+        self.prompt_weights: Optional[list[torch.Tensor]] = None
+        if self.device.type != "cpu" or self.dtype != torch.float32 or precision == "float32":
+            return
+        if precision == "bfloat16" or bfloat16_pays(self.packed):
+            lows = (bfloat16_weight(w, self.packed) for w in self.projections)  # qkv, o, gate_up, down per layer
+            self.prompt_weights = [w if i % 6 in (0, 3) else next(lows) for i, w in enumerate(self.weights)]
+
     def _rotary(self, positions: int) -> torch.Tensor:
         angles = torch.outer(torch.arange(positions, dtype=torch.float32), self.inv_freq)
         rotary = torch.complex(torch.cos(angles), torch.sin(angles))  # [positions, half]
@@ -244,7 +262,19 @@ class LeanLlama:
     def batch(self, rows: list["Rows"]) -> list[torch.Tensor]:
         """Several sequences in one forward, each with its own cache. Their tokens are stacked into one matrix,
         so every weight is read once for all of them (on a CPU a forward costs about as much as reading the
-        weights); only attention runs per sequence, against its own cache. One sequence is the same code."""
+        weights); only attention runs per sequence, against its own cache. One sequence is the same code.
+        Long prompt chunks go through the weights for prompts (prompt_weights) in a forward of their own."""
+        low = [self.prompt_weights is not None and r.prompt and len(r.ids) > fewrows.FEW_ROWS for r in rows]
+        if not any(low) or all(low):
+            return self._batch(rows, any(low))
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for flag in (True, False):
+            chosen = [i for i, f in enumerate(low) if f == flag]
+            for i, out in zip(chosen, self._batch([rows[i] for i in chosen], flag)):
+                logits[i] = out
+        return logits
+
+    def _batch(self, rows: list["Rows"], prompt: bool) -> list[torch.Tensor]:
         starts = [r.cache.length for r in rows]
         counts = [len(r.ids) for r in rows]
         ends = [start + count for start, count in zip(starts, counts)]
@@ -273,7 +303,7 @@ class LeanLlama:
                 mask.masked_fill_(key_positions > query_positions, float("-inf"))
             masks.append(mask)
         keep = [i for row_end, r in zip(itertools.accumulate(counts), rows) for i in range(row_end - r.keep, row_end)]
-        if self.fewrows is not None and len(ids) <= fewrows.FEW_ROWS:  # every layer in numba, 16-bit weights
+        if self.fewrows is not None and len(ids) <= fewrows.FEW_ROWS and not prompt:  # every layer in numba
             firsts = itertools.accumulate(counts, initial=0)
             apart = [fewrows.Apart(first, count, r.cache, mask)
                      for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]
@@ -281,7 +311,8 @@ class LeanLlama:
                                      self.heads, self.kv_heads, self.head_dim)
         else:
             x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks,
-                                starts, counts, few, table, score_rows, width, self.weights, self.biases, self.packed,
+                                starts, counts, few, table, score_rows, width,
+                                self.prompt_weights if prompt else self.weights, self.biases, self.packed,
                                 self.eps, self.heads, self.kv_heads, self.head_dim)
             logits = self.lm_head(F.rms_norm(x[keep], (self.hidden,), self.norm, self.eps))  # [sum of keep, vocab]
         for r, end in zip(rows, ends):
@@ -332,11 +363,44 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x @ W.T (+ bias), from the weight pre-packed for oneDNN (packed) or plain."""
+    """x @ W.T (+ bias), from the weight pre-packed for oneDNN (packed) or plain. A weight in a narrower dtype
+    (LeanLlama.prompt_weights) takes x rounded to it and gives its float32 sums back in x's dtype."""
+    dtype = x.dtype
+    narrow = weight.dtype != dtype
+    if narrow:
+        x = x.to(weight.dtype)
     if packed:
         no_scalars: List[Optional[Union[int, float, complex]]] = []
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", no_scalars, "")
-    return F.linear(x, weight, bias)
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, None if narrow else bias, "none", no_scalars, "")
+    else:
+        y = F.linear(x, weight, None if narrow else bias)
+    if narrow:
+        y = y.to(dtype)
+        if bias is not None:
+            y = y + bias
+    return y
+
+
+def bfloat16_weight(weight: torch.Tensor, packed: bool) -> torch.Tensor:
+    """A projection's weight rounded to bfloat16, pre-packed for oneDNN when the float32 ones are."""
+    weight = weight.to(torch.bfloat16)
+    return torch.ops.mkldnn._reorder_linear_weight(weight) if packed else weight
+
+
+@functools.cache
+def bfloat16_pays(packed: bool, rows: int = 128, size: int = 1024) -> bool:
+    """Whether a prompt chunk's projection runs at least 1.4x faster in bfloat16 than in float32 on this CPU
+    (with AVX512-BF16 or AMX: about 2x; without, bfloat16 is emulated and slower), timed once per process."""
+    x, weight = torch.randn(rows, size), torch.randn(size, size)
+    timings = []
+    for candidate in (bfloat16_weight(weight, packed), Linear(weight).packed if packed else weight):
+        best = math.inf
+        for _ in range(5):
+            started = time.perf_counter()
+            project(x, candidate, packed, None)
+            best = min(best, time.perf_counter() - started)
+        timings.append(best)
+    return timings[0] * 1.4 <= timings[1]
 
 
 _COMPILED = []
@@ -418,11 +482,11 @@ class TransformersForward:
         return [self(r.cache, r.ids, r.keep) for r in rows]
 
 
-def forward_path(model, lean: bool = True, gguf: Optional[Path] = None):
+def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32"):
     """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
     run the lean path on that file's own blocks (--weights gguf), which only it can."""
     if lean and LeanLlama.supports(model) is None:
-        return LeanLlama(model, gguf)
+        return LeanLlama(model, gguf, prompt_precision)
     if gguf is not None:
         why = LeanLlama.supports(model) if lean else "--forward transformers"
         raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")

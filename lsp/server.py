@@ -20,7 +20,7 @@ import logging
 import sys
 import threading
 from concurrent.futures import Future
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from lsprotocol import types
 from pygls.exceptions import (JsonRpcException, JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError,
@@ -149,8 +149,7 @@ class CodespecServer(LanguageServer):
             from codespec.scheduler import Scheduler
 
             model = self.model_config.model if self.model_fixed else self.settings.model
-            config = ModelConfig(model=model, device=self.model_config.device, dtype=self.model_config.dtype,
-                                 forward=self.model_config.forward, weights=self.model_config.weights)
+            config = replace(self.model_config, model=model)
             engine = Engine.load(config, settings_module.spec_config(self.settings), show_progress=False)
             engine.cache_reuse = self.cache_reuse
             self._loaded.set_result(Scheduler(engine))

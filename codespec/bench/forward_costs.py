@@ -5,13 +5,14 @@ weight bytes / read bandwidth (measured here, not assumed)."""
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 
 import torch
 
 from ..adaptive import measure_costs
 from .. import fewrows
-from ..forward import LeanLlama, TransformersForward
+from ..forward import LeanLlama, Rows, TransformersForward
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 CATEGORIES = (
@@ -63,6 +64,28 @@ def profile(path, vocab_size: int, tokens: int, context: int = 256, forwards: in
             "shares": {name: round(seconds / wall, 3) for name, seconds in spent.items()}}
 
 
+PREFILL_TOKENS = 700  # an edit prompt's size (the bench's edit class: ~660 tokens)
+
+
+def prefill_rates(path, vocab_size: int, tokens: int = PREFILL_TOKENS, repeats: int = 3) -> dict:
+    """Prompt tokens per second caching a cold prompt, in one forward and in the server's 128-token chunks, with
+    prompt chunks multiplied in float32 and in bfloat16 (--prompt-precision); medians of `repeats`."""
+    ids = torch.randint(0, vocab_size, (tokens,)).tolist()
+    rates = {}
+    for precision in ("float32", "bfloat16"):
+        path.use_prompt_precision(precision)
+        for chunk in (tokens, 128):
+            seconds = []
+            for _ in range(repeats + 1):  # the first warms up
+                cache, started = path.new_cache(), time.perf_counter()
+                for start in range(0, tokens, chunk):
+                    path.batch([Rows(cache, ids[start : start + chunk], 1, prompt=True)])
+                seconds.append(time.perf_counter() - started)
+            rates[f"{precision}, chunks of {chunk}"] = round(tokens / statistics.median(seconds[1:]))
+    path.use_prompt_precision("float32")
+    return rates
+
+
 def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
     """`gguf`: the file the model came from, for a row on its own blocks (--weights gguf)."""
     bandwidth = read_bandwidth()
@@ -84,8 +107,10 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
                      "ms": {k: round(s * 1e3, 2) for k, s in zip(costs.sizes, costs.seconds)}})
         if progress is not None:
             progress.update()
+    prefill_path = blocks if gguf is not None else lean
     return {"read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_mb_float32": round(fp32_bytes / 1e6, 1),
             "reads_16_bits_up_to": fewrows.FEW_ROWS if lean.fewrows else 0,
+            "prefill_tok_s": prefill_rates(prefill_path, vocab_size) if model.device.type == "cpu" else {},
             "rows": rows, "profile": [profile(lean, vocab_size, k) for k in (1, 16)]}
 
 
@@ -116,6 +141,9 @@ def format_forward_costs(data: dict) -> str:
     for entry in data["profile"]:
         shares = ", ".join(f"{name} {share:.0%}" for name, share in entry["shares"].items())
         lines.append(f"lean float32, k={entry['tokens']} ({entry['ms_per_forward_profiled']} ms profiled): {shares}")
+    if data.get("prefill_tok_s"):
+        rates = ", ".join(f"{name} {rate}" for name, rate in data["prefill_tok_s"].items())
+        lines.append(f"prefill of a {PREFILL_TOKENS}-token prompt, tok/s (--prompt-precision): {rates}")
     if "outside_forwards_at_draft_max_64" in data:
         lines.append(f"time outside target forwards at draft-max 64: {data['outside_forwards_at_draft_max_64']:.1%}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from codespec.config import SamplingParams, SpecConfig
+from codespec.config import ModelConfig, SamplingParams, SpecConfig
 from codespec.models import default_checkpoint, pull
 
 pytestmark = pytest.mark.integration
@@ -42,16 +42,24 @@ def test_pull_is_idempotent(default_engine):
 
 
 def assert_greedy_identity(engine, name):
-    """Speculative greedy output equals plain greedy output, and transformers' own generate (with and without its
+    """Speculative greedy output equals plain greedy output, whether long prompts are multiplied in bfloat16 or in
+    float32 (--prompt-precision); in float32 it also equals transformers' own generate (with and without its
     prompt lookup) on the same model."""
     text, chat = PROMPTS[name]
     prompt = engine.encode(text, chat=chat)
+    assert len(prompt) > 16  # long enough to go through the weights for prompts
     params = SamplingParams(max_tokens=96)
-    plain = engine.generate(prompt, params, spec=NONE)
-    assert len(plain.tokens) > 10
-    for spec in (LOOKUP, LOOKUP_LONG):
-        fast = engine.generate(prompt, params, spec=spec)
-        assert fast.tokens == plain.tokens and fast.text == plain.text
+    try:
+        for precision in ("bfloat16", "float32"):
+            engine.path.use_prompt_precision(precision)
+            assert (engine.path.prompt_weights is None) == (precision == "float32")
+            plain = engine.generate(prompt, params, spec=NONE)
+            assert len(plain.tokens) > 10
+            for spec in (LOOKUP, LOOKUP_LONG):
+                fast = engine.generate(prompt, params, spec=spec)
+                assert fast.tokens == plain.tokens and fast.text == plain.text, precision
+    finally:
+        engine.path.use_prompt_precision(ModelConfig.prompt_precision)
     model = engine.model
     for options in ({}, {"prompt_lookup_num_tokens": 10}):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=96, do_sample=False, **options)

@@ -51,3 +51,6 @@ def test_forward_costs_table_on_the_tiny_model():
     assert set(shares) == {"weight matmuls", "attention", "other kernels", "numba, python, gaps"}
     assert abs(sum(shares.values()) - 1) < 0.05
     assert "up to k=16 in numba" in format_forward_costs(data)
+    assert set(data["prefill_tok_s"]) == {f"{p}, chunks of {c}" for p in ("float32", "bfloat16") for c in (700, 128)}
+    assert all(rate > 0 for rate in data["prefill_tok_s"].values())
+    assert "prefill of a 700-token prompt, tok/s (--prompt-precision): float32, chunks of 700" in format_forward_costs(data)
