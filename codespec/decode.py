@@ -173,7 +173,9 @@ def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_ma
     stats.prompt_tokens = len(prompt)
     stats.cached_tokens = session.prepare(prompt)
     if prefill_chunk > 0 or len(session.pending) > SHORT_PROMPT:
-        yield from prefill_rows(session, prefill_chunk)
+        for rows in prefill_rows(session, prefill_chunk):
+            yield rows
+            stats.forward_seconds += rows.seconds
     session.chain.begin(session.history, sampler.params)
     while True:
         step = yield from speculative_step(session, sampler, draft_max, max_tokens - stats.generated_tokens, context,
