@@ -16,7 +16,8 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   sessions in one forward have) attend in one kernel call per layer that streams their caches instead.
   Forwards over at most fewrows.FEW_ROWS rows leave PyTorch altogether: fewrows.py runs every layer in numba,
   reading a GGUF's own 4- and 8-bit blocks (quantized.py; the default model's, with --weights auto or gguf) or
-  bfloat16-valued weights as 16 bits (the converted checkpoint's).
+  bfloat16-valued weights as 16 bits (the converted checkpoint's). Long prompt chunks (compute-bound) may take
+  a copy of the projections in bfloat16 instead, in a forward of their own (--prompt-precision).
 - `TransformersForward` runs anything else through the model's own forward with transformers' cache,
   built so that a rollback works on every layer type (`TransformersCache`).
 
