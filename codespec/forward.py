@@ -304,7 +304,7 @@ class LeanLlama:
                 mask.masked_fill_(key_positions > query_positions, float("-inf"))
             masks.append(mask)
         keep = [i for row_end, r in zip(itertools.accumulate(counts), rows) for i in range(row_end - r.keep, row_end)]
-        if self.fewrows is not None and len(ids) <= fewrows.FEW_ROWS and not prompt:  # every layer in numba
+        if self.fewrows is not None and len(ids) <= fewrows.FEW_ROWS:  # every layer in numba, 16-bit weights
             firsts = itertools.accumulate(counts, initial=0)
             apart = [fewrows.Apart(first, count, r.cache, mask)
                      for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]

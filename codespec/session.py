@@ -11,6 +11,7 @@ import numpy as np
 
 from .drafters import Chain
 from .drafters.base import common_prefix
+from .forward import Rows
 
 
 class Session:
@@ -151,7 +152,7 @@ class Session:
             while position < target:  # the tokens between two chunks, in forwards of at most GAP_FORWARD
                 cache.length = position
                 step = min(target, position + self.GAP_FORWARD)
-                self.path(cache, prompt[position:step], 1)
+                self.path.batch([Rows(cache, prompt[position:step], 1, prompt=True)])  # as prefill_rows
                 computed, position = computed + step - position, step
             self.path.move(donor, source, target, count, into=cache)
             position = target + count

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 from ..config import ModelConfig, SamplingParams, SpecConfig
 from ..engine import Engine
@@ -26,14 +25,14 @@ def compare(engine: Engine, max_tokens: int) -> list[dict]:
         out = {}
         for precision in ("float32", "bfloat16"):
             engine.path.use_prompt_precision(precision)
-            started = time.perf_counter()
             result = engine.generate(prompt, params, spec=plain)
-            out[precision] = (result.tokens, result.stats.prefill_seconds, time.perf_counter() - started)
-        same = out["float32"][0] == out["bfloat16"][0]
-        first = next((i for i, (a, b) in enumerate(zip(*(out[p][0] for p in out))) if a != b),
-                     None if same else min(len(out["float32"][0]), len(out["bfloat16"][0])))
+            out[precision] = (result.tokens, result.stats.prefill_seconds)
+        wide, narrow = out["float32"][0], out["bfloat16"][0]
+        same = wide == narrow
+        first = None if same else next((i for i, (a, b) in enumerate(zip(wide, narrow)) if a != b),
+                                       min(len(wide), len(narrow)))
         rows.append({"workload": workload.name, "prompt_tokens": len(prompt), "identical": same,
-                     "first_difference": first, "tokens": len(out["float32"][0]),
+                     "first_difference": first, "tokens": len(wide),
                      "prefill_seconds": {p: round(out[p][1], 3) for p in out}})
     engine.path.use_prompt_precision(ModelConfig.prompt_precision)
     return rows
