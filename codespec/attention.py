@@ -6,14 +6,19 @@ forward reads all of it. PyTorch's CPU kernels read it at 5-9 GB/s for one to fo
 (a GEMM with 3-12 rows packs its operands; `scaled_dot_product_attention` with a mask falls back to the same),
 against 29 GB/s that these 2 cores can stream. Here one kernel per layer runs every such sequence's attention,
 each (sequence, KV head) pair on its own thread: it streams that head's keys once for all the query heads of its
-group and all the sequence's rows, then (after a softmax whose exp is vectorised: `softmax`) its values once.
+group and all the sequence's rows (attention_ir's tiles: 16 keys at a time, their sums added down together), takes
+each row's softmax (its exp vectorised: `_exp`), then streams the values once for up to four rows at a time.
 Measured, 30 layers, 8 sequences x 1,450 cached tokens: 1 row each 51 -> 25 ms, 2 rows 86 -> 34 ms, 4 rows
-100 -> 59 ms; with many rows the GEMM wins again, so `FEW_ROWS` bounds who comes here.
+100 -> 59 ms (numba's own dot products, before the tiles); one sequence at 2,600 cached tokens, 1 / 2 / 3 / 4
+rows: 8.1 / 11.2 / 10.9 / 12.5 ms with numba's, 6.1 / 7.7 / 9.4 / 11.4 with the tiles, and 18.4 / 30.9 ms at 8 /
+16 rows against PyTorch's 24.2 / 34.6.
 
 It is numba (LLVM, shipped as wheels: no compiler needed), registered as the torch operator
 `codespec::cached_attention` so that the TorchScript layer loop calls it without returning to Python. Each query
-row's result is computed alone (no reduction across rows or sequences), in float32: the same request alone or
-in any batch gets the same attention, and it matches PyTorch's to float rounding (differences ≤ 1e-5).
+row's result is computed alone, in float32, by the same instructions whatever else the forward holds: its scores
+key by key, its softmax over the keys up to its own position, its weighted sum in position order. So a request
+gets the same bits alone or in any batch, and a verify forward the same as one-token forwards; it matches
+PyTorch's attention to float rounding (differences ≤ 1e-5).
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-FEW_ROWS = 4  # sequences with at most this many rows in a forward come here (measured: beyond, the GEMM is faster)
+from . import attention_ir
+from .attention_ir import GROUP
+
+FEW_ROWS = 16  # sequences with at most this many rows in a forward come here, and every one that is not a prompt
+# chunk (measured, 30 layers at 1,000 and 2,600 cached tokens: up to 16 rows the kernel beats PyTorch's attention)
 COLUMNS = 7  # the table: key address, value address, capacity, first row, start, count, first score row
 
 
@@ -66,138 +75,91 @@ def _exp(x):
     return p * _float_bits(np.uint32(np.int32(n) + 127) << 23)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-def softmax(scores, out):
-    """out = softmax(scores) row by row (-inf scores give 0), for every sequence that attends here: one
-    implementation whichever path a forward takes, so a row gets the same bits alone or in any batch."""
-    for row in prange(scores.shape[0]):
-        top = scores[row, 0]
-        for j in range(scores.shape[1]):
-            top = max(top, scores[row, j])
-        total = np.float32(0.0)
-        for j in range(scores.shape[1]):
-            e = _exp(scores[row, j] - top)
-            out[row, j] = e
-            total += e
-        scale = np.float32(1.0) / total
-        for j in range(scores.shape[1]):
-            out[row, j] *= scale
-
-
 @numba.njit(inline="always", cache=True)
-def _task(table, task, layer, kv_heads, group, dim):
+def _task(table, task, layer, kv_heads, group, dim, itemsize):
     """A kernel task's (sequence s, KV head h): its first row in qk/out, start position, row count, query rows
-    (count x group), first score row, and the byte offset of this layer and head in its caches."""
+    (count x group), first score row, and the byte offset of this layer and head in its caches (of elements of
+    `itemsize` bytes)."""
     s, h = task // kv_heads, task % kv_heads
     capacity, first, start, count = table[s, 2], table[s, 3], table[s, 4], table[s, 5]
     rows = count * group
-    return s, h, first, start, count, rows, table[s, 6] + h * rows, (layer * kv_heads + h) * capacity * dim * 4
+    return (s, h, first, start, count, rows, table[s, 6] + h * rows,
+            (layer * kv_heads + h) * capacity * dim * itemsize)
+
+
+@intrinsic
+def _call(typingctx, address, a, b, c, d, e, f):
+    """Call the tile at `address` with (pointer, int, pointer, int, pointer, int), pointers given as integers."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        pointer, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
+        six = ir.FunctionType(ir.VoidType(), [pointer, i64, pointer, i64, pointer, i64])
+        callee = builder.inttoptr(args[0], six.as_pointer())
+        builder.call(callee, [builder.inttoptr(args[1], pointer), args[2], builder.inttoptr(args[3], pointer),
+                              args[4], builder.inttoptr(args[5], pointer), args[6]])
+        return context.get_dummy_value()
+    return types.void(address, a, b, c, d, e, f), codegen
+
+
+@numba.njit(inline="always", fastmath=True, cache=True)
+def _softmax(scores, out, valid, end):
+    """out[:valid] = softmax(scores[:valid]), out[valid:end] = 0 (the keys past the row's position): the sums run
+    over the row's own keys only, so a row gets the same bits whatever else its forward holds."""
+    top = scores[0]
+    for j in range(valid):
+        top = max(top, scores[j])
+    total = np.float32(0.0)
+    for j in range(valid):
+        e = _exp(scores[j] - top)
+        out[j] = e
+        total += e
+    scale = np.float32(1.0) / total
+    for j in range(valid):
+        out[j] *= scale
+    for j in range(valid, end):
+        out[j] = np.float32(0.0)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-def _scores(qk, v, table, layer, heads, kv_heads, scores):
-    """Writes each sequence's new keys (from qk [rows, heads + kv_heads, dim]) and values (v [rows, kv_heads, dim])
-    into its cache, then scores[row, j] = q . k_j for every query row of every (sequence, KV head), keys past the
-    row's position -inf. Score rows of sequence s, KV head h: table[s, 6] + h * count * group + i * group + g."""
+def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels):
+    """Attention of every (sequence, KV head) in `table` at `layer`, each on its own thread: writes the sequence's
+    new keys (from qk [rows, heads + kv_heads, dim]) and values (v [rows, kv_heads, dim]) into its cache, scores
+    every query row of its group against the keys (attention_ir's tile, 16 keys at a time: keys are read up to
+    the next multiple of 16, which a cache's capacity holds), takes each row's softmax over the keys up to its
+    position, and adds the rows' weighted values into out [rows, heads, dim]. Score rows of sequence s, KV head h:
+    table[s, 6] + h * count * group + i * group + g, scores.shape[1] (a multiple of 16) wide."""
     dim = qk.shape[2]
     group = heads // kv_heads
     width = scores.shape[1]
     for task in prange(table.shape[0] * kv_heads):
-        s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim)
-        keys = numba.carray(_pointer(table[s, 0] + offset), (start + count, dim), np.float32)
-        values = numba.carray(_pointer(table[s, 1] + offset), (start + count, dim), np.float32)
+        s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim, 4)
+        end = start + count
+        padded = (end + 15) // 16 * 16
+        keys = numba.carray(_pointer(table[s, 0] + offset), (padded, dim), np.float32)
+        values = numba.carray(_pointer(table[s, 1] + offset), (end, dim), np.float32)
         for i in range(count):
             keys[start + i, :] = qk[first + i, heads + h]
             values[start + i, :] = v[first + i, h]
-        j = 0
-        while j + 4 <= start + count:  # two query rows x four keys at a time: eight independent sums
-            k0, k1, k2, k3 = keys[j], keys[j + 1], keys[j + 2], keys[j + 3]
-            r = 0
-            while r + 2 <= rows:
-                q = qk[first + r // group, h * group + r % group]
-                p = qk[first + (r + 1) // group, h * group + (r + 1) % group]
-                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-                for d in range(dim):
-                    x, y = q[d], p[d]
-                    a0 += x * k0[d]
-                    a1 += x * k1[d]
-                    a2 += x * k2[d]
-                    a3 += x * k3[d]
-                    b0 += y * k0[d]
-                    b1 += y * k1[d]
-                    b2 += y * k2[d]
-                    b3 += y * k3[d]
-                out = scores[base + r]
-                out[j], out[j + 1], out[j + 2], out[j + 3] = a0, a1, a2, a3
-                out = scores[base + r + 1]
-                out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
-                r += 2
-            if r < rows:
-                q = qk[first + r // group, h * group + r % group]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for d in range(dim):
-                    x = q[d]
-                    a0 += x * k0[d]
-                    a1 += x * k1[d]
-                    a2 += x * k2[d]
-                    a3 += x * k3[d]
-                out = scores[base + r]
-                out[j], out[j + 1], out[j + 2], out[j + 3] = a0, a1, a2, a3
-            j += 4
-        while j < start + count:
-            k0 = keys[j]
-            for r in range(rows):
-                q = qk[first + r // group, h * group + r % group]
-                a0 = np.float32(0.0)
-                for d in range(dim):
-                    a0 += q[d] * k0[d]
-                scores[base + r, j] = a0
-            j += 1
-        for r in range(rows):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
-            for j in range(start + r // group + 1, width):
-                scores[base + r, j] = -np.inf
-
-
-@numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-def _weighted_values(weights, table, layer, heads, kv_heads, out):
-    """out[row, head] = sum_j weights[score row, j] v_j, the second half of attention; out [rows, heads, dim]."""
-    dim = out.shape[2]
-    group = heads // kv_heads
-    for task in prange(table.shape[0] * kv_heads):
-        s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim)
-        values = numba.carray(_pointer(table[s, 1] + offset), (start + count, dim), np.float32)
+        q = np.empty((rows, dim), dtype=np.float32)
         for r in range(rows):
-            out[first + r // group, h * group + r % group, :] = 0.0
-        j = 0
-        while j + 4 <= start + count:  # four values at a time, into two query rows at a time
-            v0, v1, v2, v3 = values[j], values[j + 1], values[j + 2], values[j + 3]
-            r = 0
-            while r + 2 <= rows:
-                w, u = weights[base + r], weights[base + r + 1]
-                w0, w1, w2, w3 = w[j], w[j + 1], w[j + 2], w[j + 3]
-                u0, u1, u2, u3 = u[j], u[j + 1], u[j + 2], u[j + 3]
-                o = out[first + r // group, h * group + r % group]
-                n = out[first + (r + 1) // group, h * group + (r + 1) % group]
-                for d in range(dim):
-                    x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
-                    o[d] += w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
-                    n[d] += u0 * x0 + u1 * x1 + u2 * x2 + u3 * x3
-                r += 2
-            if r < rows:
-                w = weights[base + r]
-                w0, w1, w2, w3 = w[j], w[j + 1], w[j + 2], w[j + 3]
-                o = out[first + r // group, h * group + r % group]
-                for d in range(dim):
-                    o[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
-            j += 4
-        while j < start + count:
-            v0 = values[j]
-            for r in range(rows):
-                w0 = weights[base + r, j]
-                o = out[first + r // group, h * group + r % group]
-                for d in range(dim):
-                    o[d] += w0 * v0[d]
-            j += 1
+            q[r] = qk[first + r // group, h * group + r % group]
+        _call(kernels[0], q.ctypes.data, rows, keys.ctypes.data, padded, scores[base:].ctypes.data, width)
+        for r in range(rows):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
+            _softmax(scores[base + r], weights[base + r], start + r // group + 1, end)
+        sums = np.empty((GROUP, dim), dtype=np.float32)
+        r = 0
+        while r < rows:  # up to GROUP rows share each value row read
+            take = min(GROUP, rows - r)
+            _call(kernels[take], weights[base + r :].ctypes.data, width, values.ctypes.data, end, sums.ctypes.data, 0)
+            for i in range(take):
+                out[first + (r + i) // group, h * group + (r + i) % group, :] = sums[i]
+            r += take
+
+
+def padded_width(keys: int) -> int:
+    """The score rows' width for sequences of up to `keys` keys: the tiles write whole blocks of 16."""
+    return (keys + 15) // 16 * 16
 
 
 def attend_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -255,14 +217,13 @@ def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table
     in qk/v/out, start position, row count, first score row) at `layer`: writes their keys (qk [rows, heads +
     kv_heads, dim], rotated) and values (v [rows, kv_heads, dim]) into the caches ([layers, kv_heads, capacity,
     dim] float32 each) and their attention into out [rows, heads, dim].
-    `rows` score rows (heads x the sequences' rows) of `width` keys (the longest sequence's) are written between."""
+    `rows` score rows (heads x the sequences' rows) of `width` keys (padded_width of the longest sequence's) are
+    written between."""
     match_threads()
     scores, weights = _scratch(rows * width)
     scores, weights = scores[: rows * width].view(rows, width), weights[: rows * width].view(rows, width)
-    table_np = table.numpy()
-    _scores(qk.numpy(), v.numpy(), table_np, layer, heads, kv_heads, scores.numpy())
-    softmax(scores.numpy(), weights.numpy())
-    _weighted_values(weights.numpy(), table_np, layer, heads, kv_heads, out.numpy())
+    _attend(qk.numpy(), v.numpy(), table.numpy(), layer, heads, kv_heads, scores.numpy(), weights.numpy(),
+            out.numpy(), attention_ir.kernels(qk.shape[2], 4))
 
 
 def match_threads() -> None:
@@ -309,13 +270,13 @@ def ready() -> bool:
     (Debian's libgomp1; TBB would do too). Without one numba falls back to its workqueue, which wakes its threads
     too slowly for ~60 calls per forward: measured, 8 sequences x 1,450 tokens with two rows each took 147-178 ms
     against 98 ms with OpenMP and 144 ms with PyTorch's attention. Then PyTorch's attention it is."""
-    keys = torch.randn(1, 1, 8, 4)
-    values = torch.randn(1, 1, 8, 4)
-    qkv = torch.randn(2, 3, 4)
-    out = torch.empty(2, 1, 4)
-    entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 8, 0, 3, 2, 0]], dtype=torch.int64)
+    keys = torch.randn(1, 1, 16, 16)
+    values = torch.randn(1, 1, 16, 16)
+    qkv = torch.randn(2, 3, 16)
+    out = torch.empty(2, 1, 16)
+    entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 3, 2, 0]], dtype=torch.int64)
     with compiling_notice():
-        cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 5)
+        cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 16)
         move_cached(keys, values, 4, 1, 3, torch.ones(2, dtype=torch.complex128))
         move_cached(keys, values, 1, 4, 3, torch.ones(2, dtype=torch.complex128), (keys.clone(), values.clone()))
     return numba.threading_layer() in ("omp", "tbb")

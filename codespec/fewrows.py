@@ -37,7 +37,7 @@ from numba import prange
 from numba.core import types
 from numba.extending import overload
 
-from . import attention, quantized
+from . import attention, attention_ir, quantized
 from .attention import _float_bits
 
 FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
@@ -229,7 +229,7 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
 
 
 @numba.njit(cache=True, boundscheck=False)
-def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended):
+def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels):
     """The attention of the sequences in `table` (attention.py's kernels) at `layer`, from the rotated q/k/v
     projection [rows, (heads + 2 kv_heads) dim], into attended [rows, heads, dim]. q and k go to the kernels as a
     contiguous copy: as a strided view they compile unvectorised (see the module's doc)."""
@@ -237,20 +237,19 @@ def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, a
     qk_size = (heads + kv_heads) * dim
     qk = np.ascontiguousarray(qkv[:, :qk_size]).reshape(rows, heads + kv_heads, dim)
     v = np.ascontiguousarray(qkv[:, qk_size:]).reshape(rows, kv_heads, dim)
-    attention._scores(qk, v, table, layer, heads, kv_heads, scores)
-    attention.softmax(scores, probabilities)
-    attention._weighted_values(probabilities, table, layer, heads, kv_heads, attended)
+    attention._attend(qk, v, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
 
 
 @numba.njit(cache=True, boundscheck=False)
-def _layers(x, norms, biases, projections, eps, turn, table, scores, probabilities, attended, heads, kv_heads):
+def _layers(x, norms, biases, projections, eps, turn, table, scores, probabilities, attended, heads, kv_heads,
+            kernels):
     """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels: the
     Python loop in `forward`, without its calls and array views (see the module's doc)."""
     rows, dim = x.shape[0], attended.shape[2]
     for layer in range(len(projections) // 4):
         qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], turn,
                             (heads + kv_heads) * dim)
-        _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended)
+        _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), projections[4 * layer + 1],
                                norms[2 * layer + 1], eps, projections[4 * layer + 2], projections[4 * layer + 3])
 
@@ -267,6 +266,7 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
     x = x.contiguous().numpy().copy()
     turn = torch.view_as_real(rotary.reshape(rows, -1)).contiguous().numpy()  # [rows, dim/2, (cos, sin)]
     attended = np.empty((rows, heads, dim), dtype=np.float32)
+    kernels = attention_ir.kernels(dim, 4)
     if table is not None:
         table = table.numpy()
         scores, probabilities = attention._scratch(score_rows * width)
@@ -274,14 +274,14 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
         probabilities = probabilities[: score_rows * width].view(score_rows, width).numpy()
         if not apart:  # the whole layer loop in numba
             _layers(x, weights.norms, weights.biases, weights.projections, eps, turn, table, scores, probabilities,
-                    attended, heads, kv_heads)
+                    attended, heads, kv_heads, kernels)
             return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
     for layer in range(len(weights.projections) // 4):
         qkv_w, o_w, gate_up_w, down_w = weights.projections[4 * layer : 4 * layer + 4]
         qkv = _attention_in(x, weights.norms[2 * layer], eps, qkv_w, weights.biases[layer], turn,
                             (heads + kv_heads) * dim)
         if table is not None:
-            _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended)
+            _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
         for sequence in apart:
             _attend_apart(sequence, layer, qkv, attended, heads, kv_heads, dim)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), o_w, weights.norms[2 * layer + 1], eps,
@@ -295,12 +295,12 @@ def ready() -> bool:
     pay: numba has an OpenMP (or TBB) pool, as for attention.py."""
     if not attention.ready():
         return False
-    square = torch.ones(8, 8)  # hidden 8 = 2 heads x 4; one KV head; MLP width 8
-    weights = Weights([torch.ones(8)] * 2, [None], [torch.ones(16, 8), square, torch.ones(16, 8), square],
-                      torch.ones(8), torch.ones(4, 8))
-    keys, values = torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 4)
-    table = torch.tensor([[keys.data_ptr(), values.data_ptr(), 4, 0, 0, 1, 0]], dtype=torch.int64)
+    square = torch.ones(32, 32)  # hidden 32 = 2 heads x 16; one KV head; MLP width 32
+    weights = Weights([torch.ones(32)] * 2, [None], [torch.ones(64, 32), square, torch.ones(64, 32), square],
+                      torch.ones(32), torch.ones(4, 32))
+    keys, values = torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16, 16)
+    table = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 0, 1, 0]], dtype=torch.int64)
     with attention.compiling_notice():
-        forward(weights, torch.ones(1, 8), torch.ones(1, 1, 2, dtype=torch.complex64), table, 2, 4, [], [0], 1e-5,
-                2, 1, 4)
+        forward(weights, torch.ones(1, 32), torch.ones(1, 1, 8, dtype=torch.complex64), table, 2, 16, [], [0], 1e-5,
+                2, 1, 16)
     return True

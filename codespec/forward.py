@@ -12,8 +12,8 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   oneDNN, whose small-batch GEMM is 2-4x faster here than the default BLAS for the 2-64 token verify forwards.
   The fused attention never writes the scores out: a 128-token prompt chunk against 2,900 cached tokens took
   21.7 ms per layer as two matmuls and a softmax, 7.2 ms fused (a 3,000-token prompt: 13.4 s -> 8.5 s).
-  On CPUs in float32, sequences with at most attention.FEW_ROWS rows (decoding, short verifies: what many
-  sessions in one forward have) attend in one kernel call per layer that streams their caches instead.
+  On CPUs in float32, every sequence that is not a long prompt chunk (decoding, verifies: what many sessions in
+  one forward have) attends in one kernel call per layer that streams their caches instead (attention.py).
   Forwards over at most fewrows.FEW_ROWS rows leave PyTorch altogether: fewrows.py runs every layer in numba,
   reading a GGUF's own 4- and 8-bit blocks (quantized.py; the default model's, with --weights auto or gguf) or
   bfloat16-valued weights as 16 bits (the converted checkpoint's). Long prompt chunks (compute-bound) may take
@@ -102,7 +102,8 @@ class StaticCache:
         if needed <= self.capacity:
             return
         layers, heads, capacity, head_dim = self.shape
-        self.shape = (layers, heads, max(needed, 2 * capacity), head_dim)
+        # a multiple of 16: attention's tiles read keys 16 at a time
+        self.shape = (layers, heads, attention.padded_width(max(needed, 2 * capacity)), head_dim)
         for name in ("keys", "values"):
             old = getattr(self, name)
             grown = old.new_zeros(self.shape)
@@ -181,7 +182,8 @@ class LeanLlama:
         elif all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
             self.fewrows = fewrows.Weights(norms, self.biases, projections, self.norm, self.lm_head.weight)
             self.reads = "16 bits"
-        self.few_rows_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and attention.ready()
+        self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
+                                and attention.ready())
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
         # float32 angles and cos/sin, as transformers computes them (for every model dtype)
@@ -287,13 +289,14 @@ class LeanLlama:
         x = F.embedding(ids, self.embed)  # [rows, hidden]
         rotary = torch.cat([self.rotary[start:end] for start, end in zip(starts, ends)])[:, None, :]  # [rows, 1, half]
         # sequences with few rows take the cache-streaming kernel (attention.py): on CPUs in float32
-        few = [self.few_rows_kernel and count <= attention.FEW_ROWS for count in counts]
+        few = [self.few_rows_kernel and (count <= attention.FEW_ROWS or not r.prompt) for r, count in zip(rows, counts)]
         table, score_rows, width = None, 0, 0
         if any(few):
             chosen = [i for i, f in enumerate(few) if f]
             firsts = list(itertools.accumulate(counts, initial=0))
             table = attention.make_table([rows[i] for i in chosen], [firsts[i] for i in chosen], self.heads)
-            score_rows, width = self.heads * sum(counts[i] for i in chosen), max(ends[i] for i in chosen)
+            score_rows = self.heads * sum(counts[i] for i in chosen)
+            width = attention.padded_width(max(ends[i] for i in chosen))
         masks: List[Optional[torch.Tensor]] = []
         for start, count, end, kernel in zip(starts, counts, ends, few):
             mask = None

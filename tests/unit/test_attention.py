@@ -1,5 +1,7 @@
 """The CPU attention kernel for sequences with few rows: PyTorch's attention, read straight from the caches."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,7 @@ def test_the_kernel_computes_grouped_query_attention_of_every_sequence_in_the_ta
     qk = torch.cat(qk_parts)
     firsts = [sum(count for _, count in shapes[:i]) for i in range(len(shapes))]
     table = attention.make_table(rows, firsts, heads)
-    width = max(start + count for start, count in shapes)
+    width = attention.padded_width(max(start + count for start, count in shapes))  # the tiles write 16 keys a time
     for layer in range(layers):
         out = torch.full((qk.shape[0], heads, dim), float("nan"))
         new_values = torch.randn(qk.shape[0], kv_heads, dim)
@@ -54,7 +56,7 @@ def test_the_kernel_computes_grouped_query_attention_of_every_sequence_in_the_ta
             assert (out[first : first + count] - expected).abs().max().item() < 1e-5
 
 
-def test_float32_cpu_forwards_send_sequences_with_few_rows_to_the_kernel_and_the_rest_to_pytorch(monkeypatch):
+def test_float32_cpu_forwards_send_every_sequence_but_long_prompt_chunks_to_the_kernel(monkeypatch):
     lean = LeanLlama(tiny_model(dtype=torch.float32))
     assert lean.few_rows_kernel == attention.ready()  # on where numba has a thread pool that pays (OpenMP here)
     assert not LeanLlama(tiny_model()).few_rows_kernel  # float64: PyTorch's attention
@@ -63,9 +65,10 @@ def test_float32_cpu_forwards_send_sequences_with_few_rows_to_the_kernel_and_the
     original = attention.make_table
     monkeypatch.setattr(attention, "make_table", lambda rows, *rest: sent.append([len(r.ids) for r in rows])
                         or original(rows, *rest))
-    caches = [lean.new_cache() for _ in range(3)]
-    lean.batch([Rows(cache, list(range(3, 3 + n)), 1) for cache, n in zip(caches, (40, 2, 1))])
-    assert sent == [[2, 1]]  # the 40-token prompt went to scaled_dot_product_attention
+    caches = [lean.new_cache() for _ in range(4)]
+    fed = [(40, True), (20, False), (2, False), (1, True)]  # (rows, a prompt chunk?)
+    lean.batch([Rows(cache, list(range(3, 3 + n)), 1, prompt=prompt) for cache, (n, prompt) in zip(caches, fed)])
+    assert sent == [[20, 2, 1]]  # the 40-token prompt chunk went to scaled_dot_product_attention, a long verify not
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -101,3 +104,40 @@ def test_a_slow_first_compile_is_announced_once(capsys, monkeypatch):
     with attention.compiling_notice(seconds=5.0):  # done before the notice is due: nothing said
         pass
     assert capsys.readouterr().err.count("compiling the CPU kernels") == 1
+
+
+def test_a_row_gets_the_same_bits_alone_in_a_verify_and_beside_other_sequences():
+    """Batch invariance: the attention of a query row at position p does not depend on the rows after it in its
+    sequence (a verify forward), nor on the other sequences of the forward (their lengths set the scores' width)."""
+    torch.manual_seed(1)
+    layers, heads, kv_heads, dim = 1, 9, 3, 64
+
+    def run(specs):
+        """specs: (cache, start, qk rows) per sequence; the attention out [rows, heads, dim]."""
+        rows = [Rows(cache, [0] * len(qk), len(qk)) for cache, _, qk in specs]
+        for (cache, start, _), r in zip(specs, rows):
+            cache.length = start
+        firsts = list(itertools.accumulate([len(qk) for _, _, qk in specs], initial=0))[:-1]
+        qk = torch.cat([qk for _, _, qk in specs])
+        out = torch.empty(qk.shape[0], heads, dim)
+        width = attention.padded_width(max(start + len(q) for _, start, q in specs))
+        table = attention.make_table(rows, firsts, heads)
+        torch.ops.codespec.cached_attention(qk[:, : heads + kv_heads].contiguous(),
+                                            qk[:, heads + kv_heads :].contiguous(), out, table, 0, heads, kv_heads,
+                                            heads * qk.shape[0], width)
+        return out
+
+    for start in (0, 5, 15, 16, 37, 1000):
+        cache, other = (StaticCache(layers, kv_heads, dim, 1024, torch.float32, "cpu") for _ in range(2))
+        cache.keys.normal_()
+        cache.values.normal_()
+        other.keys.normal_()
+        other.values.normal_()
+        qk = torch.randn(5, heads + 2 * kv_heads, dim) / dim ** 0.5
+        alone = run([(cache, start, qk[:1])])
+        verify = run([(cache, start, qk)])
+        beside = run([(other, 1500, torch.randn(3, heads + 2 * kv_heads, dim)), (cache, start, qk[:2])])
+        assert torch.equal(alone[0], verify[0])
+        assert torch.equal(alone[0], beside[3])
+        second = run([(cache, start + 1, qk[1:2])])  # the verify's second row, as the next one-token forward
+        assert torch.equal(second[0], verify[1])

@@ -90,7 +90,8 @@ def test_a_bfloat16_valued_model_runs_few_rows_in_numba_and_gets_the_pytorch_res
     assert (lean(cache, [17], 1) - reference(reference.new_cache(), history + [17], 1)).abs().max() < 1e-2
 
 
-def test_a_batch_mixing_kernel_and_pytorch_attention_gives_each_sequence_its_own_logits():
+def test_a_batch_mixing_kernel_and_pytorch_attention_gives_each_sequence_its_own_logits(monkeypatch):
+    monkeypatch.setattr(attention, "FEW_ROWS", 4)  # so that a prompt chunk short enough for this path goes apart
     model = bfloat16_valued("llama")
     lean, plain = LeanLlama(model), LeanLlama(model)
     plain.fewrows = None
@@ -99,9 +100,9 @@ def test_a_batch_mixing_kernel_and_pytorch_attention_gives_each_sequence_its_own
     for prompt, cache, plain_cache in zip(prompts, caches, plain_caches):
         lean(cache, prompt, 1)
         plain(plain_cache, prompt, 1)
-    fed = [[41], [8, 9, 10, 11, 12, 13], [61, 62]]  # 9 rows: the middle one past attention.FEW_ROWS
+    fed = [[41], [8, 9, 10, 11, 12, 13], [61, 62]]  # 9 rows: the middle one, a prompt chunk, past attention.FEW_ROWS
     assert sum(map(len, fed)) <= fewrows.FEW_ROWS and max(map(len, fed)) > attention.FEW_ROWS
-    batched = lean.batch([Rows(cache, ids, len(ids)) for cache, ids in zip(caches, fed)])
+    batched = lean.batch([Rows(cache, ids, len(ids), prompt=len(ids) > 4) for cache, ids in zip(caches, fed)])
     for cache, plain_cache, ids, got in zip(caches, plain_caches, fed, batched):
         want = plain(plain_cache, ids, len(ids))
         assert (got - want).abs().max().item() < 1e-4

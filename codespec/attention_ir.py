@@ -1,0 +1,142 @@
+"""The two halves of few-row attention as LLVM IR tiles, for float32 and float16 caches (attention.py drives them).
+
+numba vectorises a dot product over the head's 64 dimensions as 16-lane partial sums, then adds each sum's lanes
+down one by one: for a handful of query rows against thousands of keys, those horizontal adds cost more than the
+multiplies. Here:
+
+- `scores`: 16 keys at a time against one query row, each key's 16-lane partial sum kept apart, and the 16 sums
+  added down together (a transpose of 45 shuffles and adds instead of 16 x 8). The block's keys are read from memory
+  once for all the rows of a (sequence, KV head) and served from L1 after.
+- `values`: each value row read (and, from float16, widened) once and added, times its weight, into up to four
+  query rows whose sums stay in registers.
+
+Each (query row, key) is the same sequence of instructions whichever rows share the forward, and each row's
+weighted sum adds its values in position order: a row's attention does not depend on its batch (the caller pads
+the keys to a multiple of 16 and gives a row exactly-zero weights past its position).
+Compiled by llvmlite (numba's own LLVM, a wheel) for this CPU on first use, as quantized.py's tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+VECTOR = "<16 x float>"
+FMA = "@llvm.fma.v16f32"
+GROUP = 4  # query rows that `values` adds into at once (their sums stay in registers)
+ELEMENTS = {4: ("float", VECTOR), 2: ("half", "<16 x half>")}  # cache element bytes: LLVM scalar and vector types
+
+
+def _load(name: str, pointer: str, itemsize: int) -> str:
+    """%name = 16 cache elements at %pointer as float32 lanes (widened from float16 when the cache holds those)."""
+    scalar, vector = ELEMENTS[itemsize]
+    if itemsize == 4:
+        return f"  %{name} = load {VECTOR}, ptr {pointer}, align 4\n"
+    return f"  %{name}.h = load {vector}, ptr {pointer}, align 2\n  %{name} = fpext {vector} %{name}.h to {VECTOR}\n"
+
+
+def _lanes(picks) -> str:
+    return ", ".join(f"i32 {i}" for i in picks)
+
+
+def scores_ir(dim: int, itemsize: int) -> str:
+    """@scores{itemsize}(q, rows, k, count, out, width): out[r * width + j] = q[r] . k[j] for rows r (q [rows, dim]
+    float32) and keys j < count (a multiple of 16; k [count, dim] of the cache's elements); dim a multiple of 16."""
+    scalar, _ = ELEMENTS[itemsize]
+    text = (f"define void @scores{itemsize}(ptr noalias %q, i64 %rows, ptr noalias %k, i64 %count, ptr noalias %out, "
+            "i64 %width) {\nentry:\n  %blocks = udiv i64 %count, 16\n  %none = icmp eq i64 %blocks, 0\n"
+            "  br i1 %none, label %exit, label %block\nblock:\n  %b = phi i64 [ 0, %entry ], [ %b.next, %next ]\n"
+            "  %kb = mul i64 %b, 16\n  br label %row\nrow:\n  %r = phi i64 [ 0, %block ], [ %r.next, %row ]\n"
+            f"  %qo = mul i64 %r, {dim}\n")
+    sums = ["zeroinitializer"] * 16
+    for c in range(dim // 16):
+        text += (f"  %qo{c} = add i64 %qo, {c * 16}\n  %qp{c} = getelementptr float, ptr %q, i64 %qo{c}\n"
+                 f"  %qv{c} = load {VECTOR}, ptr %qp{c}, align 4\n")
+        for key in range(16):
+            n = f"{c}_{key}"
+            text += (f"  %ki{n} = add i64 %kb, {key}\n  %kr{n} = mul i64 %ki{n}, {dim}\n"
+                     f"  %ko{n} = add i64 %kr{n}, {c * 16}\n  %kp{n} = getelementptr {scalar}, ptr %k, i64 %ko{n}\n"
+                     + _load(f"kf{n}", f"%kp{n}", itemsize) +
+                     f"  %s{n} = call {VECTOR} {FMA}({VECTOR} %qv{c}, {VECTOR} %kf{n}, {VECTOR} {sums[key]})\n")
+            sums[key] = f"%s{n}"
+    for step, width in enumerate((8, 4, 2, 1)):  # each step halves every key's lanes, two vectors into one
+        first = [i for i in range(32) if (i // width) % 2 == 0]
+        second = [i for i in range(32) if (i // width) % 2 == 1]
+        added = []
+        for i in range(len(sums) // 2):
+            name = f"%t{step}_{i}"
+            text += (f"  {name}.a = shufflevector {VECTOR} {sums[2 * i]}, {VECTOR} {sums[2 * i + 1]}, "
+                     f"<16 x i32> <{_lanes(first)}>\n"
+                     f"  {name}.b = shufflevector {VECTOR} {sums[2 * i]}, {VECTOR} {sums[2 * i + 1]}, "
+                     f"<16 x i32> <{_lanes(second)}>\n  {name} = fadd {VECTOR} {name}.a, {name}.b\n")
+            added.append(name)
+        sums = added
+    return text + ("  %oo = mul i64 %r, %width\n  %oj = add i64 %oo, %kb\n"
+                   "  %op = getelementptr float, ptr %out, i64 %oj\n"
+                   f"  store {VECTOR} {sums[0]}, ptr %op, align 4\n  %r.next = add i64 %r, 1\n"
+                   "  %rd = icmp eq i64 %r.next, %rows\n  br i1 %rd, label %next, label %row\nnext:\n"
+                   "  %b.next = add i64 %b, 1\n  %bd = icmp eq i64 %b.next, %blocks\n"
+                   "  br i1 %bd, label %exit, label %block\nexit:\n  ret void\n}\n")
+
+
+def values_ir(dim: int, rows: int, itemsize: int) -> str:
+    """@values{itemsize}_{rows}(w, width, v, count, out, unused): out[r] = sum_j w[r * width + j] v[j] for `rows` rows
+    and j < count, in order of j (v [count, dim] of the cache's elements; out [rows, dim] float32)."""
+    scalar, _ = ELEMENTS[itemsize]
+    chunks = dim // 16
+    text = (f"define void @values{itemsize}_{rows}(ptr noalias %w, i64 %width, ptr noalias %v, i64 %count, "
+            "ptr noalias %out, i64 %unused) {\nentry:\n  %none = icmp eq i64 %count, 0\n"
+            "  br i1 %none, label %store, label %loop\nloop:\n  %j = phi i64 [ 0, %entry ], [ %j.next, %loop ]\n")
+    for r in range(rows):
+        for c in range(chunks):
+            text += f"  %a{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, %loop ]\n"
+    text += f"  %vo = mul i64 %j, {dim}\n"
+    for c in range(chunks):
+        text += (f"  %vo{c} = add i64 %vo, {c * 16}\n  %vp{c} = getelementptr {scalar}, ptr %v, i64 %vo{c}\n"
+                 + _load(f"vf{c}", f"%vp{c}", itemsize))
+    for r in range(rows):
+        text += (f"  %wr{r} = mul i64 %width, {r}\n  %wo{r} = add i64 %wr{r}, %j\n"
+                 f"  %wp{r} = getelementptr float, ptr %w, i64 %wo{r}\n  %ws{r} = load float, ptr %wp{r}, align 4\n"
+                 f"  %wv{r}.1 = insertelement {VECTOR} poison, float %ws{r}, i64 0\n"
+                 f"  %wv{r} = shufflevector {VECTOR} %wv{r}.1, {VECTOR} poison, <16 x i32> zeroinitializer\n")
+        for c in range(chunks):
+            text += f"  %a{r}_{c}.next = call {VECTOR} {FMA}({VECTOR} %wv{r}, {VECTOR} %vf{c}, {VECTOR} %a{r}_{c})\n"
+    text += ("  %j.next = add i64 %j, 1\n  %done = icmp eq i64 %j.next, %count\n"
+             "  br i1 %done, label %store, label %loop\nstore:\n")
+    for r in range(rows):
+        for c in range(chunks):
+            text += f"  %f{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, %loop ]\n"
+    for r in range(rows):
+        for c in range(chunks):
+            text += (f"  %so{r}_{c} = getelementptr float, ptr %out, i64 {r * dim + c * 16}\n"
+                     f"  store {VECTOR} %f{r}_{c}, ptr %so{r}_{c}, align 4\n")
+    return text + "  ret void\n}\n"
+
+
+_ENGINES = []  # compiled code lives as long as its engine
+
+
+@functools.cache
+def kernels(dim: int, itemsize: int) -> np.ndarray:
+    """The addresses of @scores and @values_1..GROUP for head size `dim` and a cache of `itemsize`-byte elements
+    (4: float32, 2: float16), compiled for this CPU: [scores, values_1, ..., values_GROUP]."""
+    import llvmlite.binding as llvm
+
+    if dim % 16:
+        raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+    source = (f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + scores_ir(dim, itemsize)
+              + "".join(values_ir(dim, rows, itemsize) for rows in range(1, GROUP + 1)))
+    module = llvm.parse_assembly(source)
+    module.verify()
+    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+    passes.getModulePassManager().run(module, passes)
+    engine = llvm.create_mcjit_compiler(module, machine)
+    engine.finalize_object()
+    _ENGINES.append(engine)
+    names = [f"scores{itemsize}"] + [f"values{itemsize}_{rows}" for rows in range(1, GROUP + 1)]
+    return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
