@@ -99,6 +99,7 @@ def cached_costs(path, model, vocab_size: int) -> CostModel:
     if not name:
         return measure_costs(path, vocab_size)
     key = json.dumps([name, str(model.device), str(model.dtype), type(path).__name__, getattr(path, "reads", ""),
+                      str(getattr(path, "cache_dtype", "")),
                       torch.get_num_threads(),
                       torch.__version__, platform.processor(), platform.node(), list(SIZES)])
     file = codespec_home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")

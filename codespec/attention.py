@@ -43,7 +43,8 @@ from .attention_ir import GROUP
 
 FEW_ROWS = 16  # sequences with at most this many rows in a forward come here, and every one that is not a prompt
 # chunk (measured, 30 layers at 1,000 and 2,600 cached tokens: up to 16 rows the kernel beats PyTorch's attention)
-COLUMNS = 7  # the table: key address, value address, capacity, first row, start, count, first score row
+COLUMNS = 8  # the table: key address, value address, capacity, first row, start, count, first score row, bytes
+# per cache element (4: float32, 2: float16, --cache-type f16)
 
 
 @intrinsic
@@ -76,15 +77,44 @@ def _exp(x):
 
 
 @numba.njit(inline="always", cache=True)
-def _task(table, task, layer, kv_heads, group, dim, itemsize):
+def _task(table, task, layer, kv_heads, group, dim):
     """A kernel task's (sequence s, KV head h): its first row in qk/out, start position, row count, query rows
-    (count x group), first score row, and the byte offset of this layer and head in its caches (of elements of
-    `itemsize` bytes)."""
+    (count x group), first score row, and the byte offset of this layer and head in its caches."""
     s, h = task // kv_heads, task % kv_heads
     capacity, first, start, count = table[s, 2], table[s, 3], table[s, 4], table[s, 5]
     rows = count * group
     return (s, h, first, start, count, rows, table[s, 6] + h * rows,
-            (layer * kv_heads + h) * capacity * dim * itemsize)
+            (layer * kv_heads + h) * capacity * dim * table[s, 7])
+
+
+@intrinsic
+def _to_half(typingctx, value):
+    """The bits of a float32 rounded to float16 (to nearest, ties to even, as PyTorch's .half())."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@numba.njit(cache=True, boundscheck=False)
+def _write(keys_at, values_at, itemsize, new_keys, new_values, start, dim):
+    """New keys and values [count, dim] into a cache head's rows start.. (addresses keys_at, values_at), rounded to
+    float16 when its elements are 2 bytes (numba has no float16: as their bits). A call of its own: inlined into
+    the parallel loop, numba's dead-code pass drops these stores (the arrays are not read there after)."""
+    count = new_keys.shape[0]
+    if itemsize == 4:
+        keys = numba.carray(_pointer(keys_at), (start + count, dim), np.float32)
+        values = numba.carray(_pointer(values_at), (start + count, dim), np.float32)
+        keys[start:] = new_keys
+        values[start:] = new_values
+    else:
+        halves = numba.carray(_pointer(keys_at), (start + count, dim), np.uint16)
+        value_halves = numba.carray(_pointer(values_at), (start + count, dim), np.uint16)
+        for i in range(count):
+            for d in range(dim):
+                halves[start + i, d] = _to_half(new_keys[i, d])
+                value_halves[start + i, d] = _to_half(new_values[i, d])
 
 
 @intrinsic
@@ -133,25 +163,24 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels)
     group = heads // kv_heads
     width = scores.shape[1]
     for task in prange(table.shape[0] * kv_heads):
-        s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim, 4)
+        s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim)
         end = start + count
         padded = (end + 15) // 16 * 16
-        keys = numba.carray(_pointer(table[s, 0] + offset), (padded, dim), np.float32)
-        values = numba.carray(_pointer(table[s, 1] + offset), (end, dim), np.float32)
-        for i in range(count):
-            keys[start + i, :] = qk[first + i, heads + h]
-            values[start + i, :] = v[first + i, h]
+        keys_at, values_at, itemsize = table[s, 0] + offset, table[s, 1] + offset, table[s, 7]
+        tiles = kernels[0 if itemsize == 4 else 1]
+        _write(keys_at, values_at, itemsize, qk[first : first + count, heads + h], v[first : first + count, h],
+               start, dim)
         q = np.empty((rows, dim), dtype=np.float32)
         for r in range(rows):
             q[r] = qk[first + r // group, h * group + r % group]
-        _call(kernels[0], q.ctypes.data, rows, keys.ctypes.data, padded, scores[base:].ctypes.data, width)
+        _call(tiles[0], q.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
         for r in range(rows):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
             _softmax(scores[base + r], weights[base + r], start + r // group + 1, end)
         sums = np.empty((GROUP, dim), dtype=np.float32)
         r = 0
         while r < rows:  # up to GROUP rows share each value row read
             take = min(GROUP, rows - r)
-            _call(kernels[take], weights[base + r :].ctypes.data, width, values.ctypes.data, end, sums.ctypes.data, 0)
+            _call(tiles[take], weights[base + r :].ctypes.data, width, values_at, end, sums.ctypes.data, 0)
             for i in range(take):
                 out[first + (r + i) // group, h * group + (r + i) % group, :] = sums[i]
             r += take
@@ -175,9 +204,10 @@ def attend_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tor
     keys[:, start:end] = k.transpose(0, 1)
     values[:, start:end] = v.transpose(0, 1)
     causal = start == 0 and count > 1  # (a mask is built only for rows that start later)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys[:, :end].unsqueeze(0),
-                                         values[:, :end].unsqueeze(0), attn_mask=mask, is_causal=causal, scale=1.0,
-                                         enable_gqa=True)
+    # a float16 cache (--cache-type f16) is read widened: what the kernel's tiles read, as float32
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys[:, :end].to(q.dtype).unsqueeze(0),
+                                         values[:, :end].to(q.dtype).unsqueeze(0), attn_mask=mask, is_causal=causal,
+                                         scale=1.0, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(count, -1)
 
 
@@ -200,15 +230,47 @@ def _move(keys, values, into_keys, into_values, source, target, count, turn):
             into_values[layer, head, target + i] = values[layer, head, source + i]
 
 
+@intrinsic
+def _from_half(typingctx, bits):
+    """The float32 value of a float16's bits."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False)
+def _move_half(keys, values, into_keys, into_values, source, target, count, turn):
+    """_move for float16 caches (as their bits): keys widened, turned in float64, rounded to float32 and then to
+    float16, as PyTorch would assign them."""
+    layers, kv_heads = keys.shape[0], keys.shape[1]
+    half = turn.shape[0]
+    for task in prange(layers * kv_heads):
+        layer, head = task // kv_heads, task % kv_heads
+        for i in range(count):  # rising: within one cache a position is read before any write reaches it
+            old, new = keys[layer, head, source + i], into_keys[layer, head, target + i]
+            for pair in range(half):
+                x, y = np.float64(_from_half(old[2 * pair])), np.float64(_from_half(old[2 * pair + 1]))
+                c, s = turn[pair, 0], turn[pair, 1]
+                new[2 * pair] = _to_half(np.float32(x * c - y * s))
+                new[2 * pair + 1] = _to_half(np.float32(x * s + y * c))
+            into_values[layer, head, target + i] = values[layer, head, source + i]
+
+
 def move_cached(keys: torch.Tensor, values: torch.Tensor, source: int, target: int, count: int,
                 turn: torch.Tensor, into: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
-    """forward.LeanLlama.move for CPU caches ([layers, kv_heads, capacity, dim], float32 or float64): one pass, in
-    place (or into another cache's keys and values: `into`), no temporaries (a layer at a time in PyTorch cost
+    """forward.LeanLlama.move for CPU caches ([layers, kv_heads, capacity, dim] of float32, float64 or float16): one
+    pass, in place (or into another cache's keys and values: `into`), no temporaries (a layer at a time in PyTorch cost
     25-160 ms for 2,500 positions, most of it allocation and per-operation overhead; this takes a few)."""
     match_threads()
     into_keys, into_values = into if into is not None else (keys, values)
-    _move(keys.numpy(), values.numpy(), into_keys.numpy(), into_values.numpy(), source, target, count,
-          torch.view_as_real(turn).contiguous().numpy())
+    turn = torch.view_as_real(turn).contiguous().numpy()
+    if keys.dtype == torch.float16:  # numba has no float16: as their bits
+        _move_half(*(t.view(torch.int16).numpy().view(np.uint16) for t in (keys, values, into_keys, into_values)),
+                   source, target, count, turn)
+        return
+    _move(keys.numpy(), values.numpy(), into_keys.numpy(), into_values.numpy(), source, target, count, turn)
 
 
 def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor, layer: int,
@@ -218,12 +280,12 @@ def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table
     kv_heads, dim], rotated) and values (v [rows, kv_heads, dim]) into the caches ([layers, kv_heads, capacity,
     dim] float32 each) and their attention into out [rows, heads, dim].
     `rows` score rows (heads x the sequences' rows) of `width` keys (padded_width of the longest sequence's) are
-    written between."""
+    written between. Caches of float16 (--cache-type f16) have their new keys and values rounded."""
     match_threads()
     scores, weights = _scratch(rows * width)
     scores, weights = scores[: rows * width].view(rows, width), weights[: rows * width].view(rows, width)
     _attend(qk.numpy(), v.numpy(), table.numpy(), layer, heads, kv_heads, scores.numpy(), weights.numpy(),
-            out.numpy(), attention_ir.kernels(qk.shape[2], 4))
+            out.numpy(), attention_ir.kernels(qk.shape[2]))
 
 
 def match_threads() -> None:
@@ -258,7 +320,7 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
     for r, first in zip(rows, first_rows):
         cache = r.cache
         entries.append([cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, first, cache.length,
-                        len(r.ids), score_row])
+                        len(r.ids), score_row, cache.keys.element_size()])
         score_row += heads * len(r.ids)
     return torch.tensor(entries, dtype=torch.int64).reshape(-1, COLUMNS)
 
@@ -274,11 +336,12 @@ def ready() -> bool:
     values = torch.randn(1, 1, 16, 16)
     qkv = torch.randn(2, 3, 16)
     out = torch.empty(2, 1, 16)
-    entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 3, 2, 0]], dtype=torch.int64)
+    entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 3, 2, 0, 4]], dtype=torch.int64)
     with compiling_notice():
         cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 16)
         move_cached(keys, values, 4, 1, 3, torch.ones(2, dtype=torch.complex128))
         move_cached(keys, values, 1, 4, 3, torch.ones(2, dtype=torch.complex128), (keys.clone(), values.clone()))
+        move_cached(keys.half(), values.half(), 4, 1, 3, torch.ones(2, dtype=torch.complex128))
     return numba.threading_layer() in ("omp", "tbb")
 
 

@@ -118,9 +118,9 @@ _ENGINES = []  # compiled code lives as long as its engine
 
 
 @functools.cache
-def kernels(dim: int, itemsize: int) -> np.ndarray:
-    """The addresses of @scores and @values_1..GROUP for head size `dim` and a cache of `itemsize`-byte elements
-    (4: float32, 2: float16), compiled for this CPU: [scores, values_1, ..., values_GROUP]."""
+def kernels(dim: int) -> np.ndarray:
+    """The addresses of @scores and @values_1..GROUP for head size `dim`, compiled for this CPU: row 0 for float32
+    caches, row 1 for float16 ones, [2, 1 + GROUP]."""
     import llvmlite.binding as llvm
 
     if dim % 16:
@@ -129,8 +129,8 @@ def kernels(dim: int, itemsize: int) -> np.ndarray:
     llvm.initialize_native_asmprinter()
     machine = llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
-    source = (f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + scores_ir(dim, itemsize)
-              + "".join(values_ir(dim, rows, itemsize) for rows in range(1, GROUP + 1)))
+    source = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
+        scores_ir(dim, size) + "".join(values_ir(dim, rows, size) for rows in range(1, GROUP + 1)) for size in (4, 2))
     module = llvm.parse_assembly(source)
     module.verify()
     passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
@@ -138,5 +138,6 @@ def kernels(dim: int, itemsize: int) -> np.ndarray:
     engine = llvm.create_mcjit_compiler(module, machine)
     engine.finalize_object()
     _ENGINES.append(engine)
-    names = [f"scores{itemsize}"] + [f"values{itemsize}_{rows}" for rows in range(1, GROUP + 1)]
-    return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
+    return np.array([[engine.get_function_address(name) for name in
+                      [f"scores{size}"] + [f"values{size}_{rows}" for rows in range(1, GROUP + 1)]] for size in (4, 2)],
+                    dtype=np.int64)

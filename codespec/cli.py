@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from .config import (DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, PROMPT_PRECISION_CHOICES, SPEC_CHOICES,
-                     WEIGHTS_CHOICES, ModelConfig, SamplingParams, ServerConfig, SpecConfig, unknown_drafters)
+from .config import (CACHE_TYPES, DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, PROMPT_PRECISION_CHOICES,
+                     SPEC_CHOICES, WEIGHTS_CHOICES, ModelConfig, SamplingParams, ServerConfig, SpecConfig, unknown_drafters)
 from .errors import CodespecError
 
 
@@ -43,7 +43,8 @@ def bounded_int(low: int, high: int):
     return parse
 
 
-MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision")  # add_model_options' flags: ModelConfig's fields
+# add_model_options' flags: ModelConfig's fields
+MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision", "cache_type")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +62,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="how prompt chunks of more than 16 tokens are multiplied on a CPU in float32: auto "
                              "(default: bfloat16 where it measures faster), float32, or bfloat16 (inputs and weights "
                              "rounded to bfloat16, float32 sums); generated tokens always use float32")
+    parser.add_argument("--cache-type", choices=CACHE_TYPES,
+                        help="the KV cache's element type: f32 (default: the model's dtype, exact) or f16 (as "
+                             "llama.cpp's default: half the memory and attention reads; lean forward)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -429,7 +433,7 @@ def run_lsp(args) -> int:
             raise CodespecError(f"--server wants an http:// or https:// URL, got {args.server!r}")
         if given:
             raise CodespecError("--server generates on that server's model: leave out --model, --device, --dtype, "
-                                "--forward, --weights and --prompt-precision")
+                                "--forward, --weights, --prompt-precision and --cache-type")
     serve(model_config, model_fixed=args.model is not None, tcp=tcp, server_url=server_url,
           api_key=args.api_key or None, cache_reuse=args.cache_reuse)
     return 0

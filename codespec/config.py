@@ -18,6 +18,7 @@ FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers fo
 WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py);
 # auto: those where they can run (a GGUF's Llama/Qwen2 model on a CPU in float32 on the lean forward), else checkpoint
 PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of prompt chunks (forward.LeanLlama)
+CACHE_TYPES = ("f32", "f16")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's dtype
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
 MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)
@@ -136,6 +137,8 @@ class ModelConfig:
     # auto: gguf where it runs
     prompt_precision: str = "auto"  # prompt chunks' projections on a float32 CPU: bfloat16 inputs and weights with
     # float32 sums (2x the float32 matmul on CPUs with AVX512-BF16); auto: bfloat16 where it measures that much faster
+    cache_type: str = "f32"  # f16: keys and values kept as float16, as llama.cpp does by default: half the bytes
+    # (memory, and what attention reads per token); the text is then that of float16 keys and values (lean forward)
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
     def validate(self) -> None:
@@ -146,6 +149,8 @@ class ModelConfig:
         if self.prompt_precision not in PROMPT_PRECISION_CHOICES:
             raise ValueError(f"unknown prompt precision {self.prompt_precision!r}; choose from "
                              f"{', '.join(PROMPT_PRECISION_CHOICES)}")
+        if self.cache_type not in CACHE_TYPES:
+            raise ValueError(f"unknown cache type {self.cache_type!r}; choose from {', '.join(CACHE_TYPES)}")
 
 
 SESSION_MEMORY = 2 << 30  # bytes of KV cache that named sessions may hold before the idlest are evicted (LRU)

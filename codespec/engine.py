@@ -98,12 +98,13 @@ class Engine:
     cache_reuse: int = 0  # > 0: reuse cached chunks of at least this many tokens at new positions (Session.prepare)
     gguf: Path | None = None  # --weights gguf: the lean forward runs this file's own blocks (quantized.py)
     prompt_precision: str = ModelConfig.prompt_precision
+    cache_type: str = "f32"  # see ModelConfig.cache_type
 
     def __post_init__(self):
         self.spec.validate()
         # the target forward, all sessions
         self.path = forward_path(self.model, lean=self.forward == "lean", gguf=self.gguf,
-                                 prompt_precision=self.prompt_precision)
+                                 prompt_precision=self.prompt_precision, cache_type=self.cache_type)
         check_forward(self.path, self.model)
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
@@ -126,7 +127,7 @@ class Engine:
         if model_config.weights == "auto":
             gguf = auto_gguf(model_config, model)
         return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf,
-                   prompt_precision=model_config.prompt_precision)
+                   prompt_precision=model_config.prompt_precision, cache_type=model_config.cache_type)
 
     @property
     def context_length(self) -> int:

@@ -126,7 +126,8 @@ class LeanLlama:
     rewindable = True  # crop() only moves the length
 
     @torch.no_grad()
-    def __init__(self, model, gguf: Optional[Path] = None, prompt_precision: str = "float32"):
+    def __init__(self, model, gguf: Optional[Path] = None, prompt_precision: str = "float32",
+                 cache_type: str = "f32"):
         config = model.config
         self.config = config
         self.heads = config.num_attention_heads
@@ -136,6 +137,8 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self.dtype = model.dtype
         self.device = model.device
+        # --cache-type f16: keys and values kept as float16 (llama.cpp's default), half the bytes attention reads
+        self.cache_dtype = torch.float16 if cache_type == "f16" else self.dtype
         half = self.head_dim // 2
         # Rotary embedding as a complex multiply needs each rotated pair adjacent: reorder the rows of the
         # q and k projections within every head from (0..half-1, half..dim-1) to interleaved pairs. Scores
@@ -184,6 +187,9 @@ class LeanLlama:
             self.reads = "16 bits"
         self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
                                 and attention.ready())
+        if self.cache_dtype == torch.float16 and not self.few_rows_kernel:
+            raise CodespecError("--cache-type f16 runs on CPUs in float32 (numba's OpenMP pool), with a head size "
+                                "that is a multiple of 16")
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
         # float32 angles and cos/sin, as transformers computes them (for every model dtype)
@@ -254,7 +260,7 @@ class LeanLlama:
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.weights) // 6, self.kv_heads, self.head_dim, self.INITIAL_CAPACITY,
-                           self.dtype, self.device)
+                           self.cache_dtype, self.device)
 
     @torch.no_grad()
     def __call__(self, cache: StaticCache, input_ids: list[int], logits_to_keep: int) -> torch.Tensor:
@@ -486,12 +492,16 @@ class TransformersForward:
         return [self(r.cache, r.ids, r.keep) for r in rows]
 
 
-def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32"):
+def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",
+                 cache_type: str = "f32"):
     """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
-    run the lean path on that file's own blocks (--weights gguf), which only it can."""
+    run the lean path on that file's own blocks (--weights gguf), which only it can; so with --cache-type f16."""
     if lean and LeanLlama.supports(model) is None:
-        return LeanLlama(model, gguf, prompt_precision)
+        return LeanLlama(model, gguf, prompt_precision, cache_type)
+    why = LeanLlama.supports(model) if lean else "--forward transformers"
     if gguf is not None:
-        why = LeanLlama.supports(model) if lean else "--forward transformers"
         raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
+    if cache_type != "f32":
+        raise CodespecError(f"--cache-type {cache_type} runs on the lean forward (Llama and Qwen2 models), not here: "
+                            f"{why}")
     return TransformersForward(model)
