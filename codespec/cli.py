@@ -63,8 +63,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "(default: bfloat16 where it measures faster), float32, or bfloat16 (inputs and weights "
                              "rounded to bfloat16, float32 sums); generated tokens always use float32")
     parser.add_argument("--cache-type", choices=CACHE_TYPES,
-                        help="the KV cache's element type: f32 (default: the model's dtype, exact) or f16 (as "
-                             "llama.cpp's default: half the memory and attention reads; lean forward)")
+                        help="the KV cache's element type: auto (default: f16 where it runs, else f32), f32 (the "
+                             "model's dtype) or f16 (llama.cpp's default: half the memory and of what attention "
+                             "reads; CPU, float32, lean forward)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,8 @@ FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers fo
 WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py);
 # auto: those where they can run (a GGUF's Llama/Qwen2 model on a CPU in float32 on the lean forward), else checkpoint
 PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of prompt chunks (forward.LeanLlama)
-CACHE_TYPES = ("f32", "f16")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's dtype
+CACHE_TYPES = ("auto", "f32", "f16")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's
+# dtype; auto: f16 where the CPU attention kernel reads it (float32 on CPUs, lean forward), else f32
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
 MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)
@@ -137,8 +138,8 @@ class ModelConfig:
     # auto: gguf where it runs
     prompt_precision: str = "auto"  # prompt chunks' projections on a float32 CPU: bfloat16 inputs and weights with
     # float32 sums (2x the float32 matmul on CPUs with AVX512-BF16); auto: bfloat16 where it measures that much faster
-    cache_type: str = "f32"  # f16: keys and values kept as float16, as llama.cpp does by default: half the bytes
-    # (memory, and what attention reads per token); the text is then that of float16 keys and values (lean forward)
+    cache_type: str = "auto"  # f16: keys and values kept as float16, as llama.cpp does by default: half the bytes
+    # (memory, and what attention reads per token), the text that of float16 keys and values; auto: f16 where it runs
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
     def validate(self) -> None:

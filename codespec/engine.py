@@ -98,7 +98,7 @@ class Engine:
     cache_reuse: int = 0  # > 0: reuse cached chunks of at least this many tokens at new positions (Session.prepare)
     gguf: Path | None = None  # --weights gguf: the lean forward runs this file's own blocks (quantized.py)
     prompt_precision: str = ModelConfig.prompt_precision
-    cache_type: str = "f32"  # see ModelConfig.cache_type
+    cache_type: str = ModelConfig.cache_type
 
     def __post_init__(self):
         self.spec.validate()

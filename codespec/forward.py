@@ -127,7 +127,7 @@ class LeanLlama:
 
     @torch.no_grad()
     def __init__(self, model, gguf: Optional[Path] = None, prompt_precision: str = "float32",
-                 cache_type: str = "f32"):
+                 cache_type: str = "auto"):
         config = model.config
         self.config = config
         self.heads = config.num_attention_heads
@@ -137,8 +137,6 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self.dtype = model.dtype
         self.device = model.device
-        # --cache-type f16: keys and values kept as float16 (llama.cpp's default), half the bytes attention reads
-        self.cache_dtype = torch.float16 if cache_type == "f16" else self.dtype
         half = self.head_dim // 2
         # Rotary embedding as a complex multiply needs each rotated pair adjacent: reorder the rows of the
         # q and k projections within every head from (0..half-1, half..dim-1) to interleaved pairs. Scores
@@ -187,9 +185,7 @@ class LeanLlama:
             self.reads = "16 bits"
         self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
                                 and attention.ready())
-        if self.cache_dtype == torch.float16 and not self.few_rows_kernel:
-            raise CodespecError("--cache-type f16 runs on CPUs in float32 (numba's OpenMP pool), with a head size "
-                                "that is a multiple of 16")
+        self.use_cache_type(cache_type)
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
         # float32 angles and cos/sin, as transformers computes them (for every model dtype)
@@ -230,6 +226,17 @@ class LeanLlama:
         if precision == "bfloat16" or bfloat16_pays(self.packed):
             lows = (bfloat16_weight(w, self.packed) for w in self.projections)  # qkv, o, gate_up, down per layer
             self.prompt_weights = [w if i % 6 in (0, 3) else next(lows) for i, w in enumerate(self.weights)]
+
+    def use_cache_type(self, cache_type: str) -> None:
+        """The element type of caches made from now on (ModelConfig.cache_type). f16 (and auto, wherever the CPU
+        attention kernel runs: float32 on CPUs): keys and values rounded to float16 as they are written, as
+        llama.cpp keeps them by default; half the memory, and half the bytes attention reads per row. f32: the
+        model's dtype."""
+        if cache_type == "f16" and not self.few_rows_kernel:
+            raise CodespecError("--cache-type f16 runs on CPUs in float32 (numba's OpenMP pool), with a head size "
+                                "that is a multiple of 16")
+        f16 = cache_type == "f16" or (cache_type == "auto" and self.few_rows_kernel)
+        self.cache_dtype = torch.float16 if f16 else self.dtype
 
     def _rotary(self, positions: int) -> torch.Tensor:
         angles = torch.outer(torch.arange(positions, dtype=torch.float32), self.inv_freq)
@@ -493,7 +500,7 @@ class TransformersForward:
 
 
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",
-                 cache_type: str = "f32"):
+                 cache_type: str = "auto"):
     """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
     run the lean path on that file's own blocks (--weights gguf), which only it can; so with --cache-type f16."""
     if lean and LeanLlama.supports(model) is None:
@@ -501,7 +508,7 @@ def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_p
     why = LeanLlama.supports(model) if lean else "--forward transformers"
     if gguf is not None:
         raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
-    if cache_type != "f32":
+    if cache_type == "f16":
         raise CodespecError(f"--cache-type {cache_type} runs on the lean forward (Llama and Qwen2 models), not here: "
                             f"{why}")
     return TransformersForward(model)

@@ -1,10 +1,11 @@
-"""How often rounding long prompts to bfloat16 (--prompt-precision bfloat16) changes greedy output: every bench
-workload's first turn, plain greedy decoding, prompt chunks in float32 and in bfloat16, side by side.
+"""How often codespec's rounding changes greedy output: long prompts multiplied in bfloat16 (--prompt-precision) and
+keys and values kept in float16 (--cache-type), each alone and together (the default on CPUs with AVX512-BF16),
+against float32 throughout, on every bench workload's first turn, with plain greedy decoding.
 
     python -m codespec.bench.precision [--max-tokens 256] [--out FILE]
 
-Speculation is not involved: speculative output equals plain output in either precision (tested). This measures
-what the precision itself changes, against float32 prompts, where the lean path equals transformers' own output.
+Speculation is not involved: speculative output equals plain output in each setting (tested). This measures what
+the rounding itself changes, against float32, where the lean path equals transformers' own output.
 """
 
 from __future__ import annotations
@@ -16,45 +17,65 @@ from ..config import ModelConfig, SamplingParams, SpecConfig
 from ..engine import Engine
 from .workloads import EDITS, FREE_FORM, PROSE, all_workloads
 
+EXACT = ("float32", "f32")
+VARIANTS = {"bfloat16 prompts": ("bfloat16", "f32"), "float16 cache": ("float32", "f16"),
+            "both": ("bfloat16", "f16")}  # (prompt precision, cache type)
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams, setting: tuple[str, str]) -> tuple[list[int], float]:
+    engine.path.use_prompt_precision(setting[0])
+    engine.path.use_cache_type(setting[1])
+    result = engine.generate(prompt, params, spec=SpecConfig(spec=("none",)))
+    return result.tokens, result.stats.prefill_seconds
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
 
 def compare(engine: Engine, max_tokens: int) -> list[dict]:
-    plain, params = SpecConfig(spec=("none",)), SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens)
     rows = []
-    for workload in all_workloads(per_class=max(len(EDITS), len(FREE_FORM), len(PROSE))):
-        prompt = engine.encode(workload.turns[0], chat=workload.chat)
-        out = {}
-        for precision in ("float32", "bfloat16"):
-            engine.path.use_prompt_precision(precision)
-            result = engine.generate(prompt, params, spec=plain)
-            out[precision] = (result.tokens, result.stats.prefill_seconds)
-        wide, narrow = out["float32"][0], out["bfloat16"][0]
-        same = wide == narrow
-        first = None if same else next((i for i, (a, b) in enumerate(zip(wide, narrow)) if a != b),
-                                       min(len(wide), len(narrow)))
-        rows.append({"workload": workload.name, "prompt_tokens": len(prompt), "identical": same,
-                     "first_difference": first, "tokens": len(wide),
-                     "prefill_seconds": {p: round(out[p][1], 3) for p in out}})
-    engine.path.use_prompt_precision(ModelConfig.prompt_precision)
+    try:
+        for workload in all_workloads(per_class=max(len(EDITS), len(FREE_FORM), len(PROSE))):
+            prompt = engine.encode(workload.turns[0], chat=workload.chat)
+            exact, seconds = run(engine, prompt, params, EXACT)
+            row = {"workload": workload.name, "prompt_tokens": len(prompt), "tokens": len(exact),
+                   "prefill_seconds": {"float32": round(seconds, 3)}, "first_difference": {}}
+            for name, setting in VARIANTS.items():
+                tokens, seconds = run(engine, prompt, params, setting)
+                row["first_difference"][name] = first_difference(exact, tokens)
+                row["prefill_seconds"][name] = round(seconds, 3)
+            rows.append(row)
+    finally:
+        engine.path.use_prompt_precision(ModelConfig.prompt_precision)
+        engine.path.use_cache_type(ModelConfig.cache_type)
     return rows
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m codespec.bench.precision", description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--out", help="also write the rows here as JSON")
+    parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     engine = Engine.load(show_progress=False)
     rows = compare(engine, args.max_tokens)
-    print(f"{'workload':34} {'prompt':>6} {'same':>5} {'first diff':>10} {'prefill f32 s':>13} {'bf16 s':>7}")
+    print("first token that differs from float32 throughout ('-': none), and prefill seconds")
+    print(f"{'workload':34} {'prompt':>6}" + "".join(f" {name:>17}" for name in VARIANTS) + f" {'prefill f32':>11}"
+          + "".join(f" {name[:11]:>11}" for name in VARIANTS))
     for row in rows:
-        first = "-" if row["first_difference"] is None else row["first_difference"]
-        print(f"{row['workload']:34} {row['prompt_tokens']:6} {'yes' if row['identical'] else 'no':>5} {first:>10} "
-              f"{row['prefill_seconds']['float32']:13.3f} {row['prefill_seconds']['bfloat16']:7.3f}")
-    same = sum(row["identical"] for row in rows)
-    print(f"identical greedy output with bfloat16 prompts: {same} of {len(rows)} workloads")
+        cells = ["-" if row["first_difference"][name] is None else str(row["first_difference"][name])
+                 for name in VARIANTS]
+        print(f"{row['workload']:34} {row['prompt_tokens']:6}" + "".join(f" {c:>17}" for c in cells)
+              + "".join(f" {row['prefill_seconds'][name]:11.3f}" for name in ["float32", *VARIANTS]))
+    identical = {name: sum(row["first_difference"][name] is None for row in rows) for name in VARIANTS}
+    for name, count in identical.items():
+        print(f"identical greedy output, {name}: {count} of {len(rows)} workloads")
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"max_tokens": args.max_tokens, "identical": same, "rows": rows}, handle, indent=1)
+            json.dump({"max_tokens": args.max_tokens, "identical": identical, "rows": rows}, handle, indent=1)
 
 
 if __name__ == "__main__":

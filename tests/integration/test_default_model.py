@@ -42,16 +42,17 @@ def test_pull_is_idempotent(default_engine):
 
 
 def assert_greedy_identity(engine, name):
-    """Speculative greedy output equals plain greedy output, whether long prompts are multiplied in bfloat16 or in
-    float32 (--prompt-precision); in float32 it also equals transformers' own generate (with and without its
-    prompt lookup) on the same model."""
+    """Speculative greedy output equals plain greedy output, by default (long prompts multiplied in bfloat16, keys
+    and values kept in float16) and in float32 (--prompt-precision float32 --cache-type f32), where it also equals
+    transformers' own generate (with and without its prompt lookup) on the same model."""
     text, chat = PROMPTS[name]
     prompt = engine.encode(text, chat=chat)
     assert len(prompt) > 16  # long enough to go through the weights for prompts
     params = SamplingParams(max_tokens=96)
     try:
-        for precision in ("bfloat16", "float32"):
+        for precision, cache_type in (("bfloat16", "f16"), ("float32", "f32")):
             engine.path.use_prompt_precision(precision)
+            engine.path.use_cache_type(cache_type)
             assert (engine.path.prompt_weights is None) == (precision == "float32")
             plain = engine.generate(prompt, params, spec=NONE)
             assert len(plain.tokens) > 10
@@ -60,6 +61,7 @@ def assert_greedy_identity(engine, name):
                 assert fast.tokens == plain.tokens and fast.text == plain.text, precision
     finally:
         engine.path.use_prompt_precision(ModelConfig.prompt_precision)
+        engine.path.use_cache_type(ModelConfig.cache_type)
     model = engine.model
     for options in ({}, {"prompt_lookup_num_tokens": 10}):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=96, do_sample=False, **options)

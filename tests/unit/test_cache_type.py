@@ -99,3 +99,12 @@ def test_the_flag_reaches_the_model_config_and_other_forwards_refuse_it():
         forward_path(tiny_arch_model("llama", dtype=torch.float32), lean=False, cache_type="f16")
     with pytest.raises(CodespecError, match="CPUs in float32"):
         forward_path(tiny_arch_model("llama"), cache_type="f16")  # float64
+
+
+def test_auto_keeps_float16_where_the_kernel_reads_it_and_the_models_dtype_elsewhere():
+    assert forward_path(tiny_arch_model("llama", dtype=torch.float32)).new_cache().keys.dtype == torch.float16
+    assert forward_path(tiny_arch_model("llama")).new_cache().keys.dtype == torch.float64  # no kernel for float64
+    path = forward_path(tiny_arch_model("llama", dtype=torch.float32), cache_type="f32")
+    assert path.new_cache().keys.dtype == torch.float32
+    path.use_cache_type("auto")
+    assert path.new_cache().keys.dtype == torch.float16

@@ -66,7 +66,7 @@ def test_rows_in_blocks_of_four_then_two_then_one_are_each_summed_one_way():
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_bfloat16_valued_model_runs_few_rows_in_numba_and_gets_the_pytorch_results(kind, monkeypatch):
     model = bfloat16_valued(kind)
-    lean, plain = LeanLlama(model), LeanLlama(model)
+    lean, plain = LeanLlama(model, cache_type="f32"), LeanLlama(model, cache_type="f32")  # as transformers keeps it
     assert fewrows.ready()  # numba's OpenMP pool is on this machine (Debian's libgomp1)
     assert lean.fewrows is not None and len(lean.fewrows.projections) == 4 * model.config.num_hidden_layers
     plain.fewrows = None  # the same forward in PyTorch: oneDNN's GEMM over the float32 weights
