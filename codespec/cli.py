@@ -8,7 +8,8 @@ import os
 import sys
 
 from .config import (CACHE_TYPES, DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, PROMPT_PRECISION_CHOICES,
-                     SPEC_CHOICES, WEIGHTS_CHOICES, ModelConfig, SamplingParams, ServerConfig, SpecConfig, unknown_drafters)
+                     SPEC_CHOICES, WEIGHTS_CHOICES, ModelConfig, SamplingParams, ServerConfig, SpecConfig,
+                     unknown_drafters)
 from .errors import CodespecError
 
 

@@ -12,8 +12,8 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   oneDNN, whose small-batch GEMM is 2-4x faster here than the default BLAS for the 2-64 token verify forwards.
   The fused attention never writes the scores out: a 128-token prompt chunk against 2,900 cached tokens took
   21.7 ms per layer as two matmuls and a softmax, 7.2 ms fused (a 3,000-token prompt: 13.4 s -> 8.5 s).
-  On CPUs in float32, every sequence that is not a long prompt chunk (decoding, verifies: what many sessions in
-  one forward have) attends in one kernel call per layer that streams their caches instead (attention.py).
+  On CPUs in float32, sequences with at most attention.FEW_ROWS rows (decoding, verifies: what many sessions in
+  one forward have) attend in one kernel call per layer that streams their caches instead (attention.py).
   Forwards over at most fewrows.FEW_ROWS rows leave PyTorch altogether: fewrows.py runs every layer in numba,
   reading a GGUF's own 4- and 8-bit blocks (quantized.py; the default model's, with --weights auto or gguf) or
   bfloat16-valued weights as 16 bits (the converted checkpoint's). Long prompt chunks (compute-bound) may take
@@ -301,8 +301,8 @@ class LeanLlama:
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=self.device)
         x = F.embedding(ids, self.embed)  # [rows, hidden]
         rotary = torch.cat([self.rotary[start:end] for start, end in zip(starts, ends)])[:, None, :]  # [rows, 1, half]
-        # sequences with few rows take the cache-streaming kernel (attention.py): on CPUs in float32
-        few = [self.few_rows_kernel and (count <= attention.FEW_ROWS or not r.prompt) for r, count in zip(rows, counts)]
+        # sequences of up to attention.FEW_ROWS rows take the cache-streaming kernel (attention.py): on CPUs in float32
+        few = [self.few_rows_kernel and count <= attention.FEW_ROWS for count in counts]
         table, score_rows, width = None, 0, 0
         if any(few):
             chosen = [i for i, f in enumerate(few) if f]
@@ -509,6 +509,5 @@ def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_p
     if gguf is not None:
         raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
     if cache_type == "f16":
-        raise CodespecError(f"--cache-type {cache_type} runs on the lean forward (Llama and Qwen2 models), not here: "
-                            f"{why}")
+        raise CodespecError(f"--cache-type f16 runs on the lean forward (Llama and Qwen2 models), not here: {why}")
     return TransformersForward(model)

@@ -56,7 +56,7 @@ def test_the_kernel_computes_grouped_query_attention_of_every_sequence_in_the_ta
             assert (out[first : first + count] - expected).abs().max().item() < 1e-5
 
 
-def test_float32_cpu_forwards_send_every_sequence_but_long_prompt_chunks_to_the_kernel(monkeypatch):
+def test_float32_cpu_forwards_send_sequences_of_up_to_16_rows_to_the_kernel_and_the_rest_to_pytorch(monkeypatch):
     lean = LeanLlama(tiny_model(dtype=torch.float32))
     assert lean.few_rows_kernel == attention.ready()  # on where numba has a thread pool that pays (OpenMP here)
     assert not LeanLlama(tiny_model()).few_rows_kernel  # float64: PyTorch's attention
@@ -65,10 +65,10 @@ def test_float32_cpu_forwards_send_every_sequence_but_long_prompt_chunks_to_the_
     original = attention.make_table
     monkeypatch.setattr(attention, "make_table", lambda rows, *rest: sent.append([len(r.ids) for r in rows])
                         or original(rows, *rest))
-    caches = [lean.new_cache() for _ in range(4)]
-    fed = [(40, True), (20, False), (2, False), (1, True)]  # (rows, a prompt chunk?)
+    caches = [lean.new_cache() for _ in range(5)]
+    fed = [(40, True), (20, False), (16, False), (2, False), (1, True)]  # (rows, a prompt chunk?)
     lean.batch([Rows(cache, list(range(3, 3 + n)), 1, prompt=prompt) for cache, (n, prompt) in zip(caches, fed)])
-    assert sent == [[20, 2, 1]]  # the 40-token prompt chunk went to scaled_dot_product_attention, a long verify not
+    assert sent == [[16, 2, 1]]  # the 40-token prompt chunk and the 20-token verify: scaled_dot_product_attention
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
