@@ -284,8 +284,9 @@ def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table
     match_threads()
     scores, weights = _scratch(rows * width)
     scores, weights = scores[: rows * width].view(rows, width), weights[: rows * width].view(rows, width)
-    _attend(qk.numpy(), v.numpy(), table.numpy(), layer, heads, kv_heads, scores.numpy(), weights.numpy(),
-            out.numpy(), attention_ir.kernels(qk.shape[2]))
+    # contiguous, as fewrows passes them: one compiled signature, which ready() compiles before any request
+    _attend(qk.contiguous().numpy(), v.contiguous().numpy(), table.numpy(), layer, heads, kv_heads, scores.numpy(),
+            weights.numpy(), out.numpy(), attention_ir.kernels(qk.shape[2]))
 
 
 def match_threads() -> None:
