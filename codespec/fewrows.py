@@ -216,6 +216,7 @@ class Apart:
     count: int
     cache: object
     mask: Optional[torch.Tensor]
+    wide: Optional[torch.Tensor] = None  # a float16 cache's keys and values widen into this (attend_in_place)
 
 
 def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarray, heads: int, kv_heads: int,
@@ -224,7 +225,7 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
     rows = torch.from_numpy(qkv[apart.first : apart.first + apart.count]).view(apart.count, -1, dim)
     out = attention.attend_in_place(rows[:, :heads], rows[:, heads : heads + kv_heads], rows[:, heads + kv_heads :],
                                     apart.cache.keys[layer], apart.cache.values[layer], apart.cache.length,
-                                    apart.mask)
+                                    apart.mask, apart.wide)
     attended[apart.first : apart.first + apart.count] = out.view(apart.count, heads, dim).numpy()
 
 

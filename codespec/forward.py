@@ -186,6 +186,7 @@ class LeanLlama:
         self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
                                 and attention.ready())
         self.use_cache_type(cache_type)
+        self._wide = torch.empty(0)  # see _batch
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
         # float32 angles and cos/sin, as transformers computes them (for every model dtype)
@@ -320,9 +321,16 @@ class LeanLlama:
                 mask.masked_fill_(key_positions > query_positions, float("-inf"))
             masks.append(mask)
         keep = [i for row_end, r in zip(itertools.accumulate(counts), rows) for i in range(row_end - r.keep, row_end)]
+        wide = None  # a float16 cache read by PyTorch's attention widens into this buffer, kept between forwards
+        apart_ends = [end for end, kernel in zip(ends, few) if not kernel]
+        if self.cache_dtype != self.dtype and apart_ends:
+            needed = 2 * self.kv_heads * max(apart_ends) * self.head_dim
+            if self._wide.numel() < needed:
+                self._wide = torch.empty(max(needed, 2 * self._wide.numel()), dtype=self.dtype, device=self.device)
+            wide = self._wide
         if self.fewrows is not None and len(ids) <= fewrows.FEW_ROWS:  # every layer in numba, 16-bit weights
             firsts = itertools.accumulate(counts, initial=0)
-            apart = [fewrows.Apart(first, count, r.cache, mask)
+            apart = [fewrows.Apart(first, count, r.cache, mask, wide)
                      for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]
             logits = fewrows.forward(self.fewrows, x, rotary, table, score_rows, width, apart, keep, self.eps,
                                      self.heads, self.kv_heads, self.head_dim)
@@ -330,7 +338,7 @@ class LeanLlama:
             x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks,
                                 starts, counts, few, table, score_rows, width,
                                 self.prompt_weights if prompt else self.weights, self.biases, self.packed,
-                                self.eps, self.heads, self.kv_heads, self.head_dim)
+                                self.eps, self.heads, self.kv_heads, self.head_dim, wide)
             logits = self.lm_head(F.rms_norm(x[keep], (self.hidden,), self.norm, self.eps))  # [sum of keep, vocab]
         for r, end in zip(rows, ends):
             r.cache.length = end
@@ -341,7 +349,7 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
                masks: List[Optional[torch.Tensor]], starts: List[int], counts: List[int], few: List[bool],
                table: Optional[torch.Tensor], score_rows: int, width: int, weights: List[torch.Tensor],
                biases: List[Optional[torch.Tensor]], packed: bool, eps: float, heads: int, kv_heads: int,
-               dim: int) -> torch.Tensor:
+               dim: int, wide: Optional[torch.Tensor]) -> torch.Tensor:
     """Every decoder layer over x [rows, hidden]: sequence s has counts[s] rows at positions starts[s].. and
     its own cache (keys_all[s], values_all[s]), where its keys and values are written. Sequences marked in `few`
     attend in one call of attention.cached_attention per layer (described by `table`; `score_rows` query heads
@@ -367,7 +375,7 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
             if not few[s]:
                 attended[row : row + count] = attention.attend_in_place(
                     qk[row : row + count, :heads], qk[row : row + count, heads:], v[row : row + count],
-                    keys_all[s][index], values_all[s][index], starts[s], masks[s])
+                    keys_all[s][index], values_all[s][index], starts[s], masks[s], wide)
             row += count
         if table is not None:  # the others write their keys and values and attend in one call
             torch.ops.codespec.cached_attention(qk, v, attended.view(x.shape[0], heads, dim), table, index, heads,
