@@ -13,7 +13,7 @@ multiplies. Here:
 Each (query row, key) is the same sequence of instructions whichever rows share the forward, and each row's
 weighted sum adds its values in position order: a row's attention does not depend on its batch (the caller pads
 the keys to a multiple of 16 and gives a row exactly-zero weights past its position).
-Compiled by llvmlite (numba's own LLVM, a wheel) for this CPU on first use, as quantized.py's tiles.
+Compiled for this CPU on first use (llvmir.py), as quantized.py's tiles.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+
+from .llvmir import compile_ir
 
 VECTOR = "<16 x float>"
 FMA = "@llvm.fma.v16f32"
@@ -114,30 +116,15 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
     return text + "  ret void\n}\n"
 
 
-_ENGINES = []  # compiled code lives as long as its engine
-
-
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
     """The addresses of @scores and @values_1..GROUP for head size `dim`, compiled for this CPU: row 0 for float32
     caches, row 1 for float16 ones, [2, 1 + GROUP]."""
-    import llvmlite.binding as llvm
-
     if dim % 16:
         raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    machine = llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+    sizes = (4, 2)
     source = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
-        scores_ir(dim, size) + "".join(values_ir(dim, rows, size) for rows in range(1, GROUP + 1)) for size in (4, 2))
-    module = llvm.parse_assembly(source)
-    module.verify()
-    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
-    passes.getModulePassManager().run(module, passes)
-    engine = llvm.create_mcjit_compiler(module, machine)
-    engine.finalize_object()
-    _ENGINES.append(engine)
-    return np.array([[engine.get_function_address(name) for name in
-                      [f"scores{size}"] + [f"values{size}_{rows}" for rows in range(1, GROUP + 1)]] for size in (4, 2)],
-                    dtype=np.int64)
+        scores_ir(dim, size) + "".join(values_ir(dim, rows, size) for rows in range(1, GROUP + 1)) for size in sizes)
+    names = [f"{kind}{size}{suffix}" for size in sizes
+             for kind, suffix in [("scores", "")] + [("values", f"_{rows}") for rows in range(1, GROUP + 1)]]
+    return compile_ir(source, names).reshape(len(sizes), 1 + GROUP)

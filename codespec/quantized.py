@@ -38,6 +38,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from .errors import CodespecError
+from .llvmir import compile_ir
 
 KINDS = {"Q4_1": (16, True), "Q8_0": (32, False)}  # bytes of q per 32-weight block, whether it has a minimum
 ROWS = np.array([4, 3, 2, 1])  # the rows of each tile, one output column each (measured: 8 rows were no faster; a
@@ -132,29 +133,13 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
     return text + "  ret void\n}\n"
 
 
-_ENGINES = []  # compiled code lives as long as its engine
-
-
 @functools.cache
 def tiles(kind: str) -> np.ndarray:
     """The addresses of `kind`'s tiles (one per entry of ROWS), compiled for this CPU."""
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    machine = llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
     names = [f"{kind.lower()}_{rows}" for rows in ROWS]
     source = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
         tile_ir(name, kind, rows) for name, rows in zip(names, ROWS))
-    module = llvm.parse_assembly(source)
-    module.verify()
-    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
-    passes.getModulePassManager().run(module, passes)
-    engine = llvm.create_mcjit_compiler(module, machine)
-    engine.finalize_object()
-    _ENGINES.append(engine)
-    return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
+    return compile_ir(source, names)
 
 
 @intrinsic
