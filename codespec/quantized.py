@@ -17,9 +17,8 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
   the model loads (0.1 s). A tile computes one output column for up to four rows; each (row, column) is the same
   sequence of operations in every tile: per block, w = fma(q, d, m) and two 16-lane sums a += w * x, then
   the two sums added and halved down to one number in a fixed order. So a row's projections do not depend on
-  which rows share its forward (`tests/unit/test_quantized.py`); attention over the cache still sums a row's
-  keys in blocks that depend on the forward's width, so a verify forward's logits may differ from a one-token
-  forward's in the last bits, as on the 16-bit path.
+  which rows share its forward (`tests/unit/test_quantized.py`), and neither does attention over the cache
+  (attention.py): a verify forward of up to 16 rows gives each row the logits of one-token forwards, bit for bit.
 
 The numba driver (`linear`) runs chunks of 16 output columns per thread, as many rows at a time as a tile takes (four,
 three, two or one), so that each unpacked block serves up to four rows.
