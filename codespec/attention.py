@@ -18,7 +18,8 @@ It is numba (LLVM, shipped as wheels: no compiler needed), registered as the tor
 row's result is computed alone, in float32, by the same instructions whatever else the forward holds: its scores
 key by key, its softmax over the keys up to its own position, its weighted sum in position order. So a request
 gets the same bits alone or in any batch, and a verify forward the same as one-token forwards; it matches
-PyTorch's attention to float rounding (differences ≤ 1e-5).
+PyTorch's attention to float rounding (differences ≤ 1e-5). Caches of float16 (--cache-type f16, the default on
+CPUs) get their new keys and values rounded as they are written and are widened as they are read.
 """
 
 from __future__ import annotations
