@@ -411,7 +411,8 @@ def check_session(page, wire, source_file, timings, tmp_path):
     [(applied, response)] = wait_for("the server's edit applied", lambda: wire.requests("workspace/applyEdit") or None,
                                      timeout=300)
     assert response["result"]["applied"] is True, response
-    [(sent, _)] = wire.requests("workspace/executeCommand")
+    # the server answers the command once the client has answered its applyEdit: the answer may trail it
+    [(sent, _)] = wait_for("the command's answer", lambda: wire.requests("workspace/executeCommand") or None)
     assert sent["command"] == REWRITE_SELECTION.id
     uri = sent["arguments"][0]["uri"]
     assert sent["arguments"][0] == {"uri": uri, "instruction": INSTRUCTION, "range": {
