@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from numba import prange
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import attention_ir
 from .attention_ir import GROUP
@@ -220,25 +220,6 @@ def attend_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tor
     return out[0].transpose(0, 1).reshape(count, -1)
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False)
-def _move(keys, values, into_keys, into_values, source, target, count, turn):
-    """Positions source.. of every layer and KV head to target.. of the `into` caches (the same ones, with target <
-    source, or others): values as they are, keys (pairs rotated by their position) turned by turn [dim / 2,
-    (cos, sin)], in float64 and rounded once."""
-    layers, kv_heads = keys.shape[0], keys.shape[1]
-    half = turn.shape[0]
-    for task in prange(layers * kv_heads):
-        layer, head = task // kv_heads, task % kv_heads
-        for i in range(count):  # rising: within one cache a position is read before any write reaches it
-            old, new = keys[layer, head, source + i], into_keys[layer, head, target + i]
-            for pair in range(half):
-                x, y = np.float64(old[2 * pair]), np.float64(old[2 * pair + 1])
-                c, s = turn[pair, 0], turn[pair, 1]
-                new[2 * pair] = x * c - y * s
-                new[2 * pair + 1] = x * s + y * c
-            into_values[layer, head, target + i] = values[layer, head, source + i]
-
-
 @intrinsic
 def _from_half(typingctx, bits):
     """The float32 value of a float16's bits."""
@@ -249,10 +230,36 @@ def _from_half(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
+def _widened(element):
+    """An element of a cache as float64 (numba has no float16: a float16 cache is read as its bits)."""
+
+
+@overload(_widened, jit_options={"cache": True})
+def _widened_by_type(element):
+    if element == types.uint16:
+        return lambda element: np.float64(_from_half(element))
+    return lambda element: np.float64(element)
+
+
+def _narrowed(value, element):
+    """value (float64) rounded as a cache holding `element`s stores it: once to float32, and once more to float16
+    for a float16 cache, as PyTorch assigns it; float64 caches keep it."""
+
+
+@overload(_narrowed, jit_options={"cache": True})
+def _narrowed_by_type(value, element):
+    if element == types.uint16:
+        return lambda value, element: _to_half(np.float32(value))
+    if element == types.float32:
+        return lambda value, element: np.float32(value)
+    return lambda value, element: value
+
+
 @numba.njit(parallel=True, cache=True, boundscheck=False)
-def _move_half(keys, values, into_keys, into_values, source, target, count, turn):
-    """_move for float16 caches (as their bits): keys widened, turned in float64, rounded to float32 and then to
-    float16, as PyTorch would assign them."""
+def _move(keys, values, into_keys, into_values, source, target, count, turn):
+    """Positions source.. of every layer and KV head to target.. of the `into` caches (the same ones, with target <
+    source, or others): values as they are, keys (pairs rotated by their position) turned by turn [dim / 2,
+    (cos, sin)] in float64 and rounded as the cache stores them (float16 caches come as their bits)."""
     layers, kv_heads = keys.shape[0], keys.shape[1]
     half = turn.shape[0]
     for task in prange(layers * kv_heads):
@@ -260,10 +267,10 @@ def _move_half(keys, values, into_keys, into_values, source, target, count, turn
         for i in range(count):  # rising: within one cache a position is read before any write reaches it
             old, new = keys[layer, head, source + i], into_keys[layer, head, target + i]
             for pair in range(half):
-                x, y = np.float64(_from_half(old[2 * pair])), np.float64(_from_half(old[2 * pair + 1]))
+                x, y = _widened(old[2 * pair]), _widened(old[2 * pair + 1])
                 c, s = turn[pair, 0], turn[pair, 1]
-                new[2 * pair] = _to_half(np.float32(x * c - y * s))
-                new[2 * pair + 1] = _to_half(np.float32(x * s + y * c))
+                new[2 * pair] = _narrowed(x * c - y * s, old[0])
+                new[2 * pair + 1] = _narrowed(x * s + y * c, old[0])
             into_values[layer, head, target + i] = values[layer, head, source + i]
 
 
@@ -274,12 +281,10 @@ def move_cached(keys: torch.Tensor, values: torch.Tensor, source: int, target: i
     25-160 ms for 2,500 positions, most of it allocation and per-operation overhead; this takes a few)."""
     match_threads()
     into_keys, into_values = into if into is not None else (keys, values)
-    turn = torch.view_as_real(turn).contiguous().numpy()
-    if keys.dtype == torch.float16:  # numba has no float16: as their bits
-        _move_half(*(t.view(torch.int16).numpy().view(np.uint16) for t in (keys, values, into_keys, into_values)),
-                   source, target, count, turn)
-        return
-    _move(keys.numpy(), values.numpy(), into_keys.numpy(), into_values.numpy(), source, target, count, turn)
+    half = keys.dtype == torch.float16  # numba has no float16: as their bits
+    arrays = [t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
+              for t in (keys, values, into_keys, into_values)]
+    _move(*arrays, source, target, count, torch.view_as_real(turn).contiguous().numpy())
 
 
 def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor, layer: int,
