@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-from .config import (CACHE_TYPES, DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, PROMPT_PRECISION_CHOICES,
-                     SPEC_CHOICES, WEIGHTS_CHOICES, ModelConfig, SamplingParams, ServerConfig, SpecConfig,
-                     unknown_drafters)
+from .config import (ACTIVATIONS_CHOICES, CACHE_TYPES, DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES,
+                     PROMPT_PRECISION_CHOICES, SPEC_CHOICES, WEIGHTS_CHOICES, ModelConfig, SamplingParams, ServerConfig,
+                     SpecConfig, unknown_drafters)
 from .errors import CodespecError
 
 
@@ -45,7 +45,7 @@ def bounded_int(low: int, high: int):
 
 
 # add_model_options' flags: ModelConfig's fields
-MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision", "cache_type")
+MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision", "cache_type", "activations")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +67,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="the KV cache's element type: auto (default: f16 where it runs, else f32), f32 (the "
                              "model's dtype) or f16 (llama.cpp's default: half the memory and of what attention "
                              "reads; CPU, float32, lean forward)")
+    parser.add_argument("--activations", choices=ACTIVATIONS_CHOICES,
+                        help="what a GGUF's blocks multiply: auto (default: q8 where the CPU has AVX512-VNNI), q8 "
+                             "(inputs rounded to 8 bits per 32 and exact integer sums, as llama.cpp multiplies them) "
+                             "or float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -435,7 +439,7 @@ def run_lsp(args) -> int:
             raise CodespecError(f"--server wants an http:// or https:// URL, got {args.server!r}")
         if given:
             raise CodespecError("--server generates on that server's model: leave out --model, --device, --dtype, "
-                                "--forward, --weights, --prompt-precision and --cache-type")
+                                "--forward, --weights, --prompt-precision, --cache-type and --activations")
     serve(model_config, model_fixed=args.model is not None, tcp=tcp, server_url=server_url,
           api_key=args.api_key or None, cache_reuse=args.cache_reuse)
     return 0

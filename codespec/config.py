@@ -20,6 +20,8 @@ WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / 
 PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of prompt chunks (forward.LeanLlama)
 CACHE_TYPES = ("auto", "f32", "f16")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's
 # dtype; auto: f16 where the CPU attention kernel reads it (float32 on CPUs, lean forward), else f32
+ACTIVATIONS_CHOICES = ("auto", "float32", "q8")  # what a GGUF's blocks multiply (q8.py): q8 rounds the inputs to 8 bits
+# per block of 32, as llama.cpp does, and sums in exact integers (VNNI); auto: q8 where the CPU has AVX512-VNNI
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
 MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)
@@ -140,6 +142,7 @@ class ModelConfig:
     # float32 sums (2x the float32 matmul on CPUs with AVX512-BF16); auto: bfloat16 where it measures that much faster
     cache_type: str = "auto"  # f16: keys and values kept as float16, as llama.cpp does by default: half the bytes
     # (memory, and what attention reads per token), the text that of float16 keys and values; auto: f16 where it runs
+    activations: str = "auto"  # see ACTIVATIONS_CHOICES (with --weights gguf, and auto when it picks the blocks)
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
     def validate(self) -> None:
@@ -152,6 +155,8 @@ class ModelConfig:
                              f"{', '.join(PROMPT_PRECISION_CHOICES)}")
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(f"unknown cache type {self.cache_type!r}; choose from {', '.join(CACHE_TYPES)}")
+        if self.activations not in ACTIVATIONS_CHOICES:
+            raise ValueError(f"unknown activations {self.activations!r}; choose from {', '.join(ACTIVATIONS_CHOICES)}")
 
 
 SESSION_MEMORY = 2 << 30  # bytes of KV cache that named sessions may hold before the idlest are evicted (LRU)

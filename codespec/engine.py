@@ -99,12 +99,14 @@ class Engine:
     gguf: Path | None = None  # --weights gguf: the lean forward runs this file's own blocks (quantized.py)
     prompt_precision: str = ModelConfig.prompt_precision
     cache_type: str = ModelConfig.cache_type
+    activations: str = ModelConfig.activations
 
     def __post_init__(self):
         self.spec.validate()
         # the target forward, all sessions
         self.path = forward_path(self.model, lean=self.forward == "lean", gguf=self.gguf,
-                                 prompt_precision=self.prompt_precision, cache_type=self.cache_type)
+                                 prompt_precision=self.prompt_precision, cache_type=self.cache_type,
+                                 activations=self.activations)
         check_forward(self.path, self.model)
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
@@ -127,7 +129,8 @@ class Engine:
         if model_config.weights == "auto":
             gguf = auto_gguf(model_config, model)
         return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf,
-                   prompt_precision=model_config.prompt_precision, cache_type=model_config.cache_type)
+                   prompt_precision=model_config.prompt_precision, cache_type=model_config.cache_type,
+                   activations=model_config.activations)
 
     @property
     def context_length(self) -> int:

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from numba import prange
 from numba.core import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
-from . import attention, attention_ir, quantized
+from . import attention, attention_ir, llvmir, q8, quantized
 from .attention import _float_bits
 
 FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
@@ -122,13 +122,15 @@ def _linear(x, norm, eps, weight):
 
 def _project(x, norm, eps, weight):
     """rms_norm(x) (when norm has entries, else x) times the weight: 16 bits in an array (_linear), or a GGUF's
-    blocks (quantized.linear's tuple)."""
+    blocks (quantized.linear's tuple, or q8.linear's: five entries)."""
 
 
 @overload(_project, jit_options={"cache": True})
 def _project_by_format(x, norm, eps, weight):
     if isinstance(weight, types.Array):
         return lambda x, norm, eps, weight: _linear(x, norm, eps, weight)
+    if len(weight) == 5:
+        return lambda x, norm, eps, weight: q8.linear(quantized.normed(x, norm, eps), weight)
     return lambda x, norm, eps, weight: quantized.linear(x, norm, eps, weight)
 
 
@@ -159,17 +161,36 @@ def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
 
 
 @numba.njit(fastmath=True, cache=True, boundscheck=False)
-def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, down_weight):
-    """x += attended @ W_o.T, then x += down(silu(gate) * up) of rms_norm(x), in place."""
+def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, down_weight, silu):
+    """x += attended @ W_o.T, then x += down(silu(gate) * up) of rms_norm(x), in place. `silu`: llvmir.silu_mul's
+    address (16 lanes at a time; numba's loop calls expf once per element: 2 ms of a 16-row forward)."""
     rows = x.shape[0]
     x += _project(attended, EMPTY, eps, o_weight)
     gate_up = _project(x, norm, eps, gate_up_weight)
     inner = gate_up.shape[1] // 2
-    for r in range(rows):
-        for i in range(inner):
-            gate = gate_up[r, i]
-            gate_up[r, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[r, inner + i]
+    if inner % 16 == 0:
+        for r in range(rows):
+            _call(silu, gate_up.ctypes.data + r * gate_up.shape[1] * 4, inner)
+    else:
+        for r in range(rows):
+            for i in range(inner):
+                gate = gate_up[r, i]
+                gate_up[r, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[r, inner + i]
     x += _project(gate_up[:, :inner], EMPTY, eps, down_weight)
+
+
+@intrinsic
+def _call(typingctx, address, pointer, count):
+    """Call the function at `address` with a pointer and a count (passed as integers)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        function = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i64])
+        callee = builder.inttoptr(args[0], function.as_pointer())
+        builder.call(callee, [builder.inttoptr(args[1], ir.IntType(8).as_pointer()), args[2]])
+        return context.get_dummy_value()
+    return types.void(address, pointer, count), codegen
 
 
 def exact(weight: torch.Tensor) -> bool:
@@ -191,20 +212,20 @@ class Weights:
     float32 tensor of bfloat16 values (kept as 16 bits) or a GGUF's blocks (quantized.Blocks)."""
 
     def __init__(self, norms: list[torch.Tensor], biases: list, projections: list,
-                 final_norm: torch.Tensor, head):
+                 final_norm: torch.Tensor, head, q8: bool = False):
         # typed lists: the layer loop (_layers) takes them whole
         self.norms = numba.typed.List([n.detach().float().contiguous().numpy() for n in norms])
         self.biases = numba.typed.List([EMPTY if b is None else b.detach().float().contiguous().numpy()
                                         for b in biases])
-        self.projections = numba.typed.List([_kernel_weight(w) for w in projections])
+        self.projections = numba.typed.List([_kernel_weight(w, q8) for w in projections])
         self.final_norm = final_norm.detach().float().contiguous().numpy()
-        self.head = _kernel_weight(head)
-        self.nbytes = sum(w.nbytes if isinstance(w, quantized.Blocks) else w.numel() * 2  # what a forward reads
+        self.head = _kernel_weight(head, q8)
+        self.nbytes = sum(w.nbytes(q8) if isinstance(w, quantized.Blocks) else w.numel() * 2  # what a forward reads
                           for w in projections + [head])
 
 
-def _kernel_weight(weight):
-    return weight.weight() if isinstance(weight, quantized.Blocks) else high_halves(weight)
+def _kernel_weight(weight, q8: bool):
+    return weight.weight(q8) if isinstance(weight, quantized.Blocks) else high_halves(weight)
 
 
 @dataclass
@@ -243,7 +264,7 @@ def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, a
 
 @numba.njit(cache=True, boundscheck=False)
 def _layers(x, norms, biases, projections, eps, turn, table, scores, probabilities, attended, heads, kv_heads,
-            kernels):
+            kernels, silu):
     """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels: the
     Python loop in `forward`, without its calls and array views (see the module's doc)."""
     rows, dim = x.shape[0], attended.shape[2]
@@ -252,7 +273,8 @@ def _layers(x, norms, biases, projections, eps, turn, table, scores, probabiliti
                             (heads + kv_heads) * dim)
         _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), projections[4 * layer + 1],
-                               norms[2 * layer + 1], eps, projections[4 * layer + 2], projections[4 * layer + 3])
+                               norms[2 * layer + 1], eps, projections[4 * layer + 2], projections[4 * layer + 3],
+                               silu)
 
 
 def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Optional[torch.Tensor], score_rows: int,
@@ -267,7 +289,7 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
     x = x.contiguous().numpy().copy()
     turn = torch.view_as_real(rotary.reshape(rows, -1)).contiguous().numpy()  # [rows, dim/2, (cos, sin)]
     attended = np.empty((rows, heads, dim), dtype=np.float32)
-    kernels = attention_ir.kernels(dim)
+    kernels, silu = attention_ir.kernels(dim), llvmir.silu_mul()
     if table is not None:
         table = table.numpy()
         scores, probabilities = attention._scratch(score_rows * width)
@@ -275,7 +297,7 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
         probabilities = probabilities[: score_rows * width].view(score_rows, width).numpy()
         if not apart:  # the whole layer loop in numba
             _layers(x, weights.norms, weights.biases, weights.projections, eps, turn, table, scores, probabilities,
-                    attended, heads, kv_heads, kernels)
+                    attended, heads, kv_heads, kernels, silu)
             return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
     for layer in range(len(weights.projections) // 4):
         qkv_w, o_w, gate_up_w, down_w = weights.projections[4 * layer : 4 * layer + 4]
@@ -286,7 +308,7 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
         for sequence in apart:
             _attend_apart(sequence, layer, qkv, attended, heads, kv_heads, dim)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), o_w, weights.norms[2 * layer + 1], eps,
-                               gate_up_w, down_w)
+                               gate_up_w, down_w, silu)
     return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
 
 

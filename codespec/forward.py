@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from . import attention, fewrows, quantized
+from . import attention, fewrows, q8, quantized
 from .errors import CodespecError
 
 
@@ -127,7 +127,7 @@ class LeanLlama:
 
     @torch.no_grad()
     def __init__(self, model, gguf: Optional[Path] = None, prompt_precision: str = "float32",
-                 cache_type: str = "auto"):
+                 cache_type: str = "auto", activations: str = "auto"):
         config = model.config
         self.config = config
         self.heads = config.num_attention_heads
@@ -173,15 +173,17 @@ class LeanLlama:
         # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (fewrows.py)
         # or, with --weights gguf, reading the GGUF's own 4- and 8-bit blocks (quantized.py)
         self.fewrows = None
-        norms = [norm for layer in inner.layers for norm in (layer.input_layernorm.weight,
-                                                             layer.post_attention_layernorm.weight)]
+        self._norms = [norm for layer in inner.layers for norm in (layer.input_layernorm.weight,
+                                                                   layer.post_attention_layernorm.weight)]
         self.reads = "float32"  # what forwards over few rows read: for the cost cache's key
+        self.blocks = blocks
+        self.q8 = False  # whether the blocks multiply activations rounded to 8 bits (use_activations)
         if blocks is not None:
-            self.fewrows = fewrows.Weights(norms, self.biases, [b for layer in blocks["layers"] for b in layer],
-                                           self.norm, blocks["head"])
-            self.reads = "gguf blocks"
+            self.use_activations(activations)
+        elif activations == "q8":
+            raise CodespecError("--activations q8 multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
         elif all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
-            self.fewrows = fewrows.Weights(norms, self.biases, projections, self.norm, self.lm_head.weight)
+            self.fewrows = fewrows.Weights(self._norms, self.biases, projections, self.norm, self.lm_head.weight)
             self.reads = "16 bits"
         self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
                                 and attention.ready())
@@ -227,6 +229,18 @@ class LeanLlama:
         if precision == "bfloat16" or bfloat16_pays(self.packed):
             lows = (bfloat16_weight(w, self.packed) for w in self.projections)  # qkv, o, gate_up, down per layer
             self.prompt_weights = [w if i % 6 in (0, 3) else next(lows) for i, w in enumerate(self.weights)]
+
+    def use_activations(self, activations: str) -> None:
+        """What the GGUF's blocks multiply in forwards over few rows (ModelConfig.activations): q8 (and auto, on
+        CPUs with AVX512-VNNI) rounds each row's inputs to 8 bits per block of 32 and sums in exact integers
+        (q8.py); float32 multiplies the inputs as they are (quantized.py's tiles)."""
+        if activations == "q8" and not q8.available():
+            raise CodespecError("--activations q8 needs a CPU with AVX512-VNNI; use --activations float32")
+        self.q8 = activations == "q8" or (activations == "auto" and q8.available())
+        projections = [b for layer in self.blocks["layers"] for b in layer]
+        self.fewrows = fewrows.Weights(self._norms, self.biases, projections, self.norm, self.blocks["head"],
+                                       q8=self.q8)
+        self.reads = "gguf blocks, q8 activations" if self.q8 else "gguf blocks"
 
     def use_cache_type(self, cache_type: str) -> None:
         """The element type of caches made from now on (ModelConfig.cache_type). f16 (and auto, wherever the CPU
@@ -302,8 +316,11 @@ class LeanLlama:
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=self.device)
         x = F.embedding(ids, self.embed)  # [rows, hidden]
         rotary = torch.cat([self.rotary[start:end] for start, end in zip(starts, ends)])[:, None, :]  # [rows, 1, half]
-        # sequences of up to attention.FEW_ROWS rows take the cache-streaming kernel (attention.py): on CPUs in float32
-        few = [self.few_rows_kernel and count <= attention.FEW_ROWS for count in counts]
+        # sequences of up to attention.FEW_ROWS rows take the cache-streaming kernel (attention.py): on CPUs in float32;
+        # with q8 activations every sequence but prompt chunks, so that a verify of any length matches decoding bit
+        # for bit (q8's rounding would turn PyTorch's last-bit differences into visible ones)
+        few = [self.few_rows_kernel and (count <= attention.FEW_ROWS or (self.q8 and not r.prompt))
+               for count, r in zip(counts, rows)]
         table, score_rows, width = None, 0, 0
         if any(few):
             chosen = [i for i, f in enumerate(few) if f]
@@ -328,7 +345,9 @@ class LeanLlama:
             if self._wide.numel() < needed:
                 self._wide = torch.empty(max(needed, 2 * self._wide.numel()), dtype=self.dtype, device=self.device)
             wide = self._wide
-        if self.fewrows is not None and len(ids) <= fewrows.FEW_ROWS:  # every layer in numba, 16-bit weights
+        # every layer in numba: forwards over few rows, and with q8 activations all (the other path's float32
+        # activations would give other logits: a verify over more rows would not match decoding)
+        if self.fewrows is not None and (self.q8 or len(ids) <= fewrows.FEW_ROWS):
             firsts = itertools.accumulate(counts, initial=0)
             apart = [fewrows.Apart(first, count, r.cache, mask, wide)
                      for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]
@@ -508,14 +527,16 @@ class TransformersForward:
 
 
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",
-                 cache_type: str = "auto"):
+                 cache_type: str = "auto", activations: str = "auto"):
     """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
     run the lean path on that file's own blocks (--weights gguf), which only it can; so with --cache-type f16."""
     if lean and LeanLlama.supports(model) is None:
-        return LeanLlama(model, gguf, prompt_precision, cache_type)
+        return LeanLlama(model, gguf, prompt_precision, cache_type, activations)
     why = LeanLlama.supports(model) if lean else "--forward transformers"
     if gguf is not None:
         raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
     if cache_type == "f16":
         raise CodespecError(f"--cache-type f16 runs on the lean forward (Llama and Qwen2 models), not here: {why}")
+    if activations == "q8":
+        raise CodespecError(f"--activations q8 runs on the lean forward with --weights gguf, not here: {why}")
     return TransformersForward(model)

@@ -215,9 +215,11 @@ class Blocks:
         q = np.ascontiguousarray(raw[:, :, 4 if minimum else 2 :]).reshape(raw.shape[0], -1)
         return cls(kind, q, d, m)
 
-    @property
-    def nbytes(self) -> int:
-        """What the kernel reads of these blocks (Q8_0 has no minimums)."""
+    def nbytes(self, q8: bool = False) -> int:
+        """What the kernel reads of these blocks: the float tiles' float32 scales (and Q4_1's minimums), or q8's
+        float16 scale and minimum."""
+        if q8:
+            return self.q.nbytes + self.d.size * 4
         return self.q.nbytes + self.d.nbytes + (self.m.nbytes if KINDS[self.kind][1] else 0)
 
     def rows(self, index) -> "Blocks":
@@ -246,8 +248,11 @@ class Blocks:
         w += self.m[:, :, None]
         return torch.from_numpy(w.reshape(n, blocks * 32))
 
-    def weight(self) -> tuple:
-        """What `linear` takes."""
+    def weight(self, q8: bool = False) -> tuple:
+        """What `linear` takes, or with q8 what q8.linear takes."""
+        if q8:
+            from . import q8 as q8_tiles
+            return q8_tiles.repack(self.kind, self.q, self.d, self.m)
         return (self.q, self.d, self.m, tiles(self.kind))
 
 

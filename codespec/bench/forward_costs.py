@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..adaptive import measure_costs
-from .. import fewrows
+from .. import fewrows, q8
 from ..forward import LeanLlama, Rows, TransformersForward
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -95,8 +95,11 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
     paths = [("lean float32", lean, lean.fewrows.nbytes if lean.fewrows else fp32_bytes),
              ("lean, PyTorch only", wide, fp32_bytes), ("transformers float32", TransformersForward(model), fp32_bytes)]
     if gguf is not None:
-        blocks = LeanLlama(copy.deepcopy(model), gguf)
+        blocks = LeanLlama(copy.deepcopy(model), gguf, activations="float32")
         paths.insert(1, ("lean, --weights gguf", blocks, blocks.fewrows.nbytes))
+        if q8.available():
+            blocks = LeanLlama(copy.deepcopy(model), gguf, activations="q8")
+            paths.insert(1, ("gguf, q8 activations", blocks, blocks.fewrows.nbytes))
     if model.device.type == "cpu" or torch.cuda.is_bf16_supported():
         half = copy.deepcopy(model).to(torch.bfloat16)
         paths.append(("lean bfloat16", LeanLlama(half), fp32_bytes // 2))

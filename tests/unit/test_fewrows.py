@@ -113,3 +113,22 @@ def test_a_batch_mixing_kernel_and_pytorch_attention_gives_each_sequence_its_own
 def test_models_with_full_float32_weights_keep_the_pytorch_path():
     assert LeanLlama(tiny_arch_model("llama", dtype=torch.float32)).fewrows is None
     assert LeanLlama(tiny_arch_model("llama")).fewrows is None  # float64
+
+
+def test_the_mlp_gate_runs_16_lanes_at_a_time_within_a_few_units_in_the_last_place():
+    """llvmir.silu_mul: silu(gate) * up in place, with its own vector exp (Cephes' expf), over the range a model's
+    gates take and far past it (exp clamped at +-88: no inf, no NaN)."""
+    import ctypes
+
+    from codespec import llvmir
+
+    silu_mul = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(llvmir.silu_mul())
+    rng = np.random.default_rng(0)
+    gate = np.concatenate([np.linspace(-200, 200, 4000), rng.standard_normal(4000) * 4]).astype(np.float32)
+    up = rng.standard_normal(8000).astype(np.float32)
+    row = np.concatenate([gate, up])
+    silu_mul(row.ctypes.data, 8000)
+    assert np.array_equal(row[8000:], up)  # up is read, not written
+    exact = gate.astype(np.float64) / (1 + np.exp(-gate.astype(np.float64))) * up
+    assert np.all(np.isfinite(row))
+    assert np.all(np.abs(row[:8000] - exact) <= 4e-6 * np.abs(exact) + 1e-30)

@@ -88,7 +88,7 @@ def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tm
     model = tiny_arch_model(kind, dtype=torch.float32)
     path = write_gguf(tmp_path / "tiny.gguf", model, permute)
     before = model.model.layers[1].self_attn.q_proj.weight.clone()
-    lean = forward_path(model, gguf=path)
+    lean = forward_path(model, gguf=path, activations="float32")  # test_q8.py: the rounded activations
     assert isinstance(lean, LeanLlama) and isinstance(lean.fewrows.head, tuple)
     file_q = quants.dequantize(gguf.GGUFReader(str(path)).get_tensor(9).data, Type.Q4_1)  # blk.1.attn_q
     expected = torch.from_numpy(file_q)
@@ -108,14 +108,20 @@ def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tm
     assert (step - lean.batch([Rows(torch_cache, [11], 1)])[0]).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("activations, draft_length", [("float32", 4), ("q8", 4), ("q8", 24)])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for_bit(tmp_path, kind):
-    """The projections compute each row alone (above: the same bits in any batch), and so does attention over the
-    cache (attention.py: each row's keys in the same blocks, its softmax over its own keys): on this path
-    speculation cannot change a single bit, nor can the other sessions of a batch."""
+def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for_bit(tmp_path, kind, activations,
+                                                                                  draft_length):
+    """The projections compute each row alone (above and test_q8.py: the same bits in any batch), and so does
+    attention over the cache (attention.py: each row's keys in the same blocks, its softmax over its own keys): on
+    this path speculation cannot change a single bit, nor can the other sessions of a batch. With q8 activations,
+    forwards of any length (here 24 rows, past fewrows.FEW_ROWS) take this path."""
     model = tiny_arch_model(kind, dtype=torch.float32)
-    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=kind == "llama"))
-    prompt, draft = [5, 17, 3, 99, 42, 7, 8, 9], [11, 12, 13, 14]
+    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=kind == "llama"),
+                        activations=activations)
+    assert lean.q8 == (activations == "q8")
+    prompt, draft = [5, 17, 3, 99, 42, 7, 8, 9], [11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23] * 2
+    draft = draft[:draft_length]
     verify, decode, other = lean.new_cache(), lean.new_cache(), lean.new_cache()
     lean(verify, prompt, 1)
     lean(decode, prompt, 1)
@@ -124,8 +130,8 @@ def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for
     alone = torch.cat([lean(decode, [token], 1) for token in draft])
     assert torch.equal(together, alone)
     verify.crop(len(prompt))
-    beside = lean.batch([Rows(other, [3, 4, 5], 3), Rows(verify, draft[:3], 3)])[1]
-    assert torch.equal(beside, alone[:3])
+    beside = lean.batch([Rows(other, [3, 4, 5], 3), Rows(verify, draft, len(draft))])[1]
+    assert torch.equal(beside, alone)
 
 
 def test_gguf_weights_refuse_what_they_cannot_run(tmp_path):

@@ -1,0 +1,124 @@
+"""--activations q8: inputs rounded to 8 bits per block of 32 times a GGUF's blocks in exact integers (codespec/q8.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from codespec import q8
+from codespec.config import ModelConfig
+from codespec.errors import CodespecError
+from codespec.forward import Rows, forward_path
+from tests.tiny import tiny_arch_model
+from tests.unit.test_quantized import random_blocks, write_gguf
+
+
+
+def rounded_reference(x: np.ndarray) -> np.ndarray:
+    """What the kernel multiplies: each block of 32 of a row rounded to rint(x * 127 / max |x|) * max |x| / 127."""
+    blocks = x.astype(np.float64).reshape(x.shape[0], -1, 32)
+    top = np.abs(blocks).max(axis=2, keepdims=True)
+    scale = np.where(top > 0, np.float32(127.0) / top.astype(np.float32), 0).astype(np.float32)
+    rounded = np.rint(blocks.astype(np.float32) * scale)
+    return (rounded * (top.astype(np.float32) / np.float32(127.0)).astype(np.float64)).reshape(x.shape)
+
+
+def test_rounding_keeps_each_block_within_half_a_step_and_sums_its_integers():
+    x = np.random.default_rng(0).standard_normal((3, 96)).astype(np.float32)
+    x[1, 32:64] = 0  # an all-zero block: scale 0, no division by zero
+    xq, xd, xs = q8.rounded8(x)
+    assert xq.dtype == np.int8 and np.abs(xq).max() == 127
+    back = xq.astype(np.float64).reshape(3, 3, 32) * xd[:, :, None]
+    assert np.all(np.abs(back.reshape(3, 96) - x) <= xd.repeat(32, axis=1) / 2 + 1e-7)
+    assert np.array_equal(xs, (xd * xq.reshape(3, 3, 32).sum(axis=2)).astype(np.float32))
+    assert not xq[1, 32:64].any() and xd[1, 1] == 0
+    many = np.random.default_rng(1).standard_normal((20, 96)).astype(np.float32)  # rounded in parallel
+    for got, alone in zip(q8.rounded8(many), q8.rounded8(many[7:8])):
+        assert np.array_equal(got[7:8], alone)
+
+
+@pytest.mark.parametrize("kind, outputs", [("Q4_1", 48), ("Q4_1", 45), ("Q8_0", 40)])
+def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(
+        kind, outputs):
+    """Integer sums are exact, and each (row, column) then takes the same float steps in every tile of one to eight
+    rows: 19 rows (8 + 8 + 3) give each row what it gets alone. 45 and 40 columns: the last group padded."""
+    blocks = random_blocks(kind, outputs, 192)
+    weight = blocks.weight(q8=True)
+    x = np.random.default_rng(1).standard_normal((19, 192)).astype(np.float32)
+    together = q8.linear(x, weight)
+    assert together.shape == (19, outputs)
+    expected = rounded_reference(x) @ blocks.values().double().numpy().T
+    assert np.abs(together - expected).max() < 1e-5 * np.abs(expected).max()
+    for first, count in [(0, 1), (5, 1), (18, 1), (3, 2), (10, 5), (0, 8), (11, 8)]:
+        assert np.array_equal(q8.linear(np.ascontiguousarray(x[first : first + count]), weight),
+                              together[first : first + count])
+
+
+def test_the_repacked_scales_must_be_float16_values():
+    blocks = random_blocks("Q4_1", 16, 64)
+    blocks.d[0, 0] = 1 / 3  # not a float16 value: the file's scales always are
+    with pytest.raises(ValueError, match="float16"):
+        blocks.weight(q8=True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_tiny_model_on_rounded_activations_stays_near_the_exact_products(tmp_path, kind):
+    """The rounding moves the logits a little (8 bits per block of 32), not to other numbers."""
+    model = tiny_arch_model(kind, dtype=torch.float32)
+    path = write_gguf(tmp_path / "tiny.gguf", model, permute=kind == "llama")
+    rounded = forward_path(model, gguf=path, activations="q8")
+    exact = forward_path(model, gguf=path, activations="float32")
+    assert rounded.q8 and rounded.reads == "gguf blocks, q8 activations" and not exact.q8
+    ids = [5, 17, 3, 99, 42, 7, 8, 9, 11, 12]
+    a, b = rounded(rounded.new_cache(), ids, len(ids)), exact(exact.new_cache(), ids, len(ids))
+    assert not torch.equal(a, b)
+    assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+    assert torch.equal(a.argmax(dim=-1), b.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("activations", ["q8", "float32"])
+def test_with_q8_a_prompt_chunk_and_a_long_verify_stay_in_numba(tmp_path, activations):
+    """With q8 activations every forward runs the q8 tiles (PyTorch's float32 products would give other logits);
+    with float32 ones, forwards over more than fewrows.FEW_ROWS rows go to PyTorch's path."""
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations=activations)
+    used = []
+    lean.run_layers = lambda *args: used.append(len(args[0])) or args[0]
+    cache = lean.new_cache()
+    lean.batch([Rows(cache, list(range(40)), 1, prompt=True)])
+    lean.batch([Rows(cache, list(range(24)), 24)])
+    assert cache.length == 64
+    assert used == ([] if activations == "q8" else [40, 24])
+
+
+def test_q8_is_refused_where_it_cannot_run(tmp_path):
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    with pytest.raises(CodespecError, match="--activations q8 multiplies a GGUF's blocks"):
+        forward_path(model, activations="q8")  # the checkpoint's weights
+    path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
+    with pytest.raises(CodespecError, match="lean forward"):
+        forward_path(tiny_arch_model("gemma3", dtype=torch.float32), activations="q8")
+    with pytest.raises(ValueError, match="unknown activations 'int4'"):
+        ModelConfig(activations="int4").validate()
+    assert forward_path(model, gguf=path, activations="auto").q8  # auto: q8 on a CPU with VNNI
+
+
+def test_speculative_and_plain_greedy_agree_on_rounded_activations_with_long_drafts(tmp_path, tokenizer):
+    """Drafts of up to 32 tokens: verify forwards past fewrows.FEW_ROWS rows, still the tokens of decoding alone."""
+    from codespec.config import SamplingParams, SpecConfig
+    from codespec.engine import Engine
+
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    engine = Engine(model, tokenizer, SpecConfig(), eos_token_ids=frozenset({10**9}),  # no end of text: 60 tokens
+                    gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
+    engine.costs  # measured first (forwards of its own)
+    rows, batch = [], engine.path.batch
+    engine.path.batch = lambda requests: rows.append(sum(len(r.ids) for r in requests if not r.prompt)) or batch(
+        requests)  # the rows of each forward but prompt chunks
+    prompt = list(range(10, 50)) * 3
+    params = SamplingParams(max_tokens=60)
+    plain = engine.generate(prompt, params, spec=SpecConfig(spec=("none",)))
+    assert max(rows) == 1 and len(plain.tokens) == 60
+    rows.clear()
+    spec = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",), draft_max=32, adaptive=False))
+    assert max(rows) > 16  # a verify forward of more rows than fewrows.FEW_ROWS
+    assert spec.tokens == plain.tokens
