@@ -267,7 +267,9 @@ def run_bench(args) -> int:
 
             base, _ = load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype")
                                           if getattr(args, name) is not None}), show_progress=False)
-        with tqdm(total=6 if source else 5, desc="forward costs", unit="step") as progress:
+        from . import q8
+
+        with tqdm(total=(6 + q8.available() if source else 5), desc="forward costs", unit="step") as progress:
             forward = forward_costs(base, base.config.vocab_size, progress, gguf=source)
             edits = [w for w in all_workloads(1) if w.kind == "edit"]
             forward["outside_forwards_at_draft_max_64"] = outside_forward_share(engine, edits[0], max_tokens)

@@ -17,7 +17,9 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   Forwards over at most fewrows.FEW_ROWS rows leave PyTorch altogether: fewrows.py runs every layer in numba,
   reading a GGUF's own 4- and 8-bit blocks (quantized.py; the default model's, with --weights auto or gguf) or
   bfloat16-valued weights as 16 bits (the converted checkpoint's). Long prompt chunks (compute-bound) may take
-  a copy of the projections in bfloat16 instead, in a forward of their own (--prompt-precision).
+  a copy of the projections in bfloat16 instead, in a forward of their own (--prompt-precision). With q8
+  activations (q8.py; the default on CPUs with AVX512-VNNI) every forward runs in numba, prompts included, and
+  every sequence but a prompt chunk attends in attention.py's kernel: verifies of any length are batch-invariant.
 - `TransformersForward` runs anything else through the model's own forward with transformers' cache,
   built so that a rollback works on every layer type (`TransformersCache`).
 
@@ -169,7 +171,6 @@ class LeanLlama:
             projections += [linear.weight for linear in linears]
         self.packed = self.lm_head.packed is not None
         self.projections = projections  # float32, for prompt_weights
-        self.use_prompt_precision(prompt_precision)
         # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (fewrows.py)
         # or, with --weights gguf, reading the GGUF's own 4- and 8-bit blocks (quantized.py)
         self.fewrows = None
@@ -185,6 +186,7 @@ class LeanLlama:
         elif all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
             self.fewrows = fewrows.Weights(self._norms, self.biases, projections, self.norm, self.lm_head.weight)
             self.reads = "16 bits"
+        self.use_prompt_precision(prompt_precision)
         self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
                                 and attention.ready())
         self.use_cache_type(cache_type)
@@ -222,21 +224,30 @@ class LeanLlama:
         bfloat16 (or auto, where that measures faster): in a forward of their own through prompt_weights, the
         projections rounded to bfloat16, with float32 sums. Generated tokens and verified drafts always go
         through self.weights, so speculative and plain decoding still agree; what changes is the cache of a long
-        prompt, by bfloat16's rounding. Only on CPUs in float32 (elsewhere the model's dtype decides)."""
+        prompt, by bfloat16's rounding. Only on CPUs in float32 (elsewhere the model's dtype decides), and not with
+        q8 activations, where every forward takes the q8 tiles."""
         self.prompt_weights: Optional[list[torch.Tensor]] = None
-        if self.device.type != "cpu" or self.dtype != torch.float32 or precision == "float32":
+        if precision == "bfloat16" and self.q8:
+            raise CodespecError("--prompt-precision bfloat16 multiplies prompts in PyTorch; with --activations q8 "
+                                "(the default on this CPU) every forward takes the q8 tiles: add --activations float32")
+        if self.device.type != "cpu" or self.dtype != torch.float32 or precision == "float32" or self.q8:
             return
         if precision == "bfloat16" or bfloat16_pays(self.packed):
             lows = (bfloat16_weight(w, self.packed) for w in self.projections)  # qkv, o, gate_up, down per layer
             self.prompt_weights = [w if i % 6 in (0, 3) else next(lows) for i, w in enumerate(self.weights)]
 
     def use_activations(self, activations: str) -> None:
-        """What the GGUF's blocks multiply in forwards over few rows (ModelConfig.activations): q8 (and auto, on
-        CPUs with AVX512-VNNI) rounds each row's inputs to 8 bits per block of 32 and sums in exact integers
-        (q8.py); float32 multiplies the inputs as they are (quantized.py's tiles)."""
+        """What the GGUF's blocks multiply (ModelConfig.activations). q8 (and auto, on CPUs with AVX512-VNNI):
+        each row's inputs rounded to 8 bits per block of 32, exact integer sums (q8.py), in every forward (PyTorch's
+        float32 products over more rows would give other logits). float32: the inputs as they are, in the float
+        tiles (quantized.py) for forwards over up to fewrows.FEW_ROWS rows, PyTorch's GEMM beyond."""
+        if self.blocks is None:
+            raise CodespecError("--activations multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
         if activations == "q8" and not q8.available():
             raise CodespecError("--activations q8 needs a CPU with AVX512-VNNI; use --activations float32")
         self.q8 = activations == "q8" or (activations == "auto" and q8.available())
+        if self.q8:
+            self.prompt_weights = None  # (use_prompt_precision) no forward goes to PyTorch's path
         projections = [b for layer in self.blocks["layers"] for b in layer]
         self.fewrows = fewrows.Weights(self._norms, self.biases, projections, self.norm, self.blocks["head"],
                                        q8=self.q8)

@@ -8,6 +8,8 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
 - **The blocks as they are.** Q4_1 keeps 32 weights as 4-bit q with a float16 scale d and minimum m
   (w = q * d + m), Q8_0 as signed 8-bit q with a scale (w = q * d). The projections keep q as the file has it
   (66 MB for the default model's layers, against 212 MB as 16 bits); d and m are widened to float32.
+- **Or activations rounded to 8 bits** (--activations q8, the default on CPUs with AVX512-VNNI): q8.py repacks
+  these blocks for its integer kernels; the float tiles below are then not built.
 - **The float32 weights are the same numbers.** The model's float32 parameters are overwritten with the
   dequantised blocks (each q * d + m rounded once, as the kernel's fused multiply-add rounds it), so forwards over
   more rows (prompts, long verifies in PyTorch) and the kernel multiply by the same weights. A q/k scale that is

@@ -69,11 +69,12 @@ PREFILL_TOKENS = 700  # an edit prompt's size (the bench's edit class: ~660 toke
 
 def prefill_rates(path, vocab_size: int, tokens: int = PREFILL_TOKENS, repeats: int = 3) -> dict:
     """Prompt tokens per second caching a cold prompt, in one forward and in the server's 128-token chunks, with
-    prompt chunks multiplied in float32 and in bfloat16 (--prompt-precision); medians of `repeats`."""
+    prompt chunks multiplied in float32 and in bfloat16 (--prompt-precision), or with q8 activations (whose
+    kernels take prompts too); medians of `repeats`."""
     ids = torch.randint(0, vocab_size, (tokens,)).tolist()
     rates = {}
-    for precision in ("float32", "bfloat16"):
-        path.use_prompt_precision(precision)
+    for precision in ("q8 activations",) if path.q8 else ("float32", "bfloat16"):
+        path.use_prompt_precision("float32" if path.q8 else precision)
         for chunk in (tokens, 128):
             seconds = []
             for _ in range(repeats + 1):  # the first warms up
@@ -110,10 +111,13 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
                      "ms": {k: round(s * 1e3, 2) for k, s in zip(costs.sizes, costs.seconds)}})
         if progress is not None:
             progress.update()
-    prefill_path = blocks if gguf is not None else lean
+    prefill_paths = [path for name, path, _ in paths if name in ("lean, --weights gguf", "gguf, q8 activations")]
+    prefill = {}
+    for path in (prefill_paths or [lean]) if model.device.type == "cpu" else []:
+        prefill.update(prefill_rates(path, vocab_size))
     return {"read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_mb_float32": round(fp32_bytes / 1e6, 1),
             "reads_16_bits_up_to": fewrows.FEW_ROWS if lean.fewrows else 0,
-            "prefill_tok_s": prefill_rates(prefill_path, vocab_size) if model.device.type == "cpu" else {},
+            "prefill_tok_s": prefill,
             "rows": rows, "profile": [profile(lean, vocab_size, k) for k in (1, 16)]}
 
 
@@ -141,6 +145,9 @@ def format_forward_costs(data: dict) -> str:
     if any(row["path"] == "lean, --weights gguf" for row in data["rows"]):
         lines.append("lean, --weights gguf reads the GGUF's Q4_1/Q8_0 blocks in numba up to the same k (its floor is "
                      "for those), PyTorch over their values as float32 beyond")
+    if any(row["path"] == "gguf, q8 activations" for row in data["rows"]):
+        lines.append("gguf, q8 activations (the default on CPUs with AVX512-VNNI) runs every k in numba: the blocks "
+                     "times activations rounded to 8 bits, exact integer sums (its floor: the blocks, float16 scales)")
     for entry in data["profile"]:
         shares = ", ".join(f"{name} {share:.0%}" for name, share in entry["shares"].items())
         lines.append(f"lean float32, k={entry['tokens']} ({entry['ms_per_forward_profiled']} ms profiled): {shares}")

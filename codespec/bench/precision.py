@@ -1,6 +1,7 @@
-"""How often codespec's rounding changes greedy output: long prompts multiplied in bfloat16 (--prompt-precision) and
-keys and values kept in float16 (--cache-type), each alone and together (the default on CPUs with AVX512-BF16),
-against float32 throughout, on every bench workload's first turn, with plain greedy decoding.
+"""How often codespec's rounding changes greedy output: long prompts multiplied in bfloat16 (--prompt-precision),
+keys and values kept in float16 (--cache-type) and activations rounded to 8 bits (--activations q8), each alone,
+and the default (on CPUs with AVX512-VNNI: q8 activations and a float16 cache), against float32 throughout, on every
+bench workload's first turn, with plain greedy decoding.
 
     python -m codespec.bench.precision [--max-tokens 256] [--out FILE]
 
@@ -17,14 +18,21 @@ from ..config import ModelConfig, SamplingParams, SpecConfig
 from ..engine import Engine
 from .workloads import EDITS, FREE_FORM, PROSE, all_workloads
 
-EXACT = ("float32", "f32")
-VARIANTS = {"bfloat16 prompts": ("bfloat16", "f32"), "float16 cache": ("float32", "f16"),
-            "both": ("bfloat16", "f16")}  # (prompt precision, cache type)
+EXACT = ("float32", "f32", "float32")
+DEFAULT = (ModelConfig.prompt_precision, ModelConfig.cache_type, ModelConfig.activations)
+VARIANTS = {"bfloat16 prompts": ("bfloat16", "f32", "float32"), "float16 cache": ("float32", "f16", "float32"),
+            "q8 activations": ("float32", "f32", "q8"), "default": DEFAULT}  # (prompt precision, cache, activations)
 
 
-def run(engine: Engine, prompt: list[int], params: SamplingParams, setting: tuple[str, str]) -> tuple[list[int], float]:
+def use(engine: Engine, setting: tuple[str, str, str]) -> None:
+    engine.path.use_activations(setting[2])
     engine.path.use_prompt_precision(setting[0])
     engine.path.use_cache_type(setting[1])
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams, setting: tuple[str, str, str]
+        ) -> tuple[list[int], float]:
+    use(engine, setting)
     result = engine.generate(prompt, params, spec=SpecConfig(spec=("none",)))
     return result.tokens, result.stats.prefill_seconds
 
@@ -50,8 +58,7 @@ def compare(engine: Engine, max_tokens: int) -> list[dict]:
                 row["prefill_seconds"][name] = round(seconds, 3)
             rows.append(row)
     finally:
-        engine.path.use_prompt_precision(ModelConfig.prompt_precision)
-        engine.path.use_cache_type(ModelConfig.cache_type)
+        use(engine, DEFAULT)
     return rows
 
 

@@ -100,6 +100,10 @@ def test_q8_is_refused_where_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="unknown activations 'int4'"):
         ModelConfig(activations="int4").validate()
     assert forward_path(model, gguf=path, activations="auto").q8  # auto: q8 on a CPU with VNNI
+    with pytest.raises(CodespecError, match="--prompt-precision bfloat16 multiplies prompts in PyTorch"):
+        forward_path(model, gguf=path, prompt_precision="bfloat16", activations="q8")
+    assert forward_path(model, gguf=path, prompt_precision="auto", activations="q8").prompt_weights is None
+    assert forward_path(model, gguf=path, prompt_precision="bfloat16", activations="float32").prompt_weights
 
 
 def test_speculative_and_plain_greedy_agree_on_rounded_activations_with_long_drafts(tmp_path, tokenizer):
