@@ -1,4 +1,4 @@
-"""--activations q8: inputs rounded to 8 bits per block of 32 times a GGUF's blocks in exact integers (codespec/q8.py)."""
+"""--activations q8: inputs rounded to 8 bits per block of 32 times a GGUF's blocks, exact integer sums (q8.py)."""
 
 import numpy as np
 import pytest
