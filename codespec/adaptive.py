@@ -11,6 +11,7 @@ back on as soon as it would pay again. With exact costs and alpha, speculation i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -30,7 +31,11 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per forward that are timed; othe
 
 class CostModel:
     """Seconds of one forward over n tokens: measured at SIZES, interpolated in between, then corrected
-    by the forwards that generation actually runs (so a measurement disturbed by other load heals)."""
+    by the forwards that generation actually runs (so a measurement disturbed by other load heals). A forward
+    over several sequences also pays for each one's own cache (attention): `per_sequence`, learnt from those
+    forwards apart from the table. Folded into the table, a tick of 8 sessions' single rows (8 rows, each over a
+    cache of 1,100 tokens: ~27 ms) made a draft token look as dear as a whole session (7 rows from 7 sessions
+    ~20 ms, so one more row 6.7 ms), and no session at 8 clients verified drafts."""
 
     LEARN = 0.1  # weight of each observed forward in its size's running estimate
 
@@ -39,18 +44,28 @@ class CostModel:
         # never cheaper for more tokens: a noisy small size takes the cheapest larger size's time
         monotone = np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[::-1])[::-1]
         self.table = np.interp(np.arange(sizes[-1] + 1), sizes, monotone)  # [n] -> seconds, n = 0..last
+        self.per_sequence = 0.0  # seconds each sequence past the first adds to a forward, learnt
 
-    def cost(self, tokens: int) -> float:
-        """Seconds for a forward over `tokens` tokens; extended linearly past the last size."""
+    def cost(self, tokens: int, sequences: int = 1) -> float:
+        """Seconds for a forward over `tokens` tokens of `sequences` sequences; extended linearly past the last
+        size."""
+        extra = self.per_sequence * max(sequences - 1, 0)
         last = len(self.table) - 1
         if tokens <= last:
-            return float(self.table[max(tokens, 1)])
+            return float(self.table[max(tokens, 1)]) + extra
         slope = (self.table[last] - self.table[self.sizes[-2]]) / (last - self.sizes[-2])
-        return float(self.table[last] + slope * (tokens - last))
+        return float(self.table[last] + slope * (tokens - last)) + extra
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if 1 <= tokens < len(self.table) and not self.pinned:
+    def observe(self, tokens: int, seconds: float, sequences: int = 1) -> None:
+        """A forward over one sequence moves its size's estimate; over several, what each sequence past the first
+        added beyond the table's time for the tokens."""
+        if not 1 <= tokens < len(self.table) or self.pinned:
+            return
+        if sequences <= 1:
             self.table[tokens] += self.LEARN * (seconds - self.table[tokens])
+        else:
+            each = max(seconds - self.table[tokens], 0.0) / (sequences - 1)
+            self.per_sequence += self.LEARN * (each - self.per_sequence)
 
     def relative(self, tokens: int) -> float:
         return self.cost(tokens) / self.cost(1)
@@ -93,6 +108,17 @@ def pinned_costs(file: str) -> CostModel:
                          f" ({error})") from None
 
 
+@functools.cache
+def forward_code() -> str:
+    """A digest of the modules a forward runs: a table measured before they changed (an upgrade, a faster kernel)
+    is measured again. (A table of 2026-11-25 measured before the q8 kernels took prompts, and on a busy host,
+    priced 8 rows at 24.6 ms where they took 8.7, and kept 8 sessions from verifying any draft.)"""
+    digest = hashlib.sha256()
+    for module in ("forward", "fewrows", "q8", "quantized", "attention", "attention_ir", "llvmir"):
+        digest.update((Path(__file__).parent / f"{module}.py").read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cached_costs(path, model, vocab_size: int) -> CostModel:
     """measure_costs, remembered on disk for a named model on this machine, device, precision and thread count."""
     name = getattr(model.config, "_name_or_path", "") or ""
@@ -101,7 +127,7 @@ def cached_costs(path, model, vocab_size: int) -> CostModel:
     key = json.dumps([name, str(model.device), str(model.dtype), type(path).__name__, getattr(path, "reads", ""),
                       str(getattr(path, "cache_dtype", "")),
                       torch.get_num_threads(),
-                      torch.__version__, platform.processor(), platform.node(), list(SIZES)])
+                      torch.__version__, platform.processor(), platform.node(), list(SIZES), forward_code()])
     file = codespec_home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     try:
         data = json.loads(file.read_text())
@@ -158,8 +184,10 @@ def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_c
     return best_k
 
 
-def allocate(costs: CostModel, proposals: list[tuple[float, int]], rows: int, generating: int) -> list[int]:
-    """choose() for a batch. A forward over `rows` tokens gives `generating` sessions one token each; each
+def allocate(costs: CostModel, proposals: list[tuple[float, int]], rows: int, generating: int,
+             sequences: int = 1) -> list[int]:
+    """choose() for a batch. A forward over `rows` tokens of `sequences` sequences gives `generating` sessions one
+    token each; each
     proposal is a drafter's acceptance rate alpha and the draft tokens it offers. Verifying the j-th token of a
     draft adds one row and alpha^j expected tokens, so for any number of extra rows the best ones are the most
     likely tokens of all drafts together (each draft's in order, as alpha^j falls with j): take them from the
@@ -168,11 +196,11 @@ def allocate(costs: CostModel, proposals: list[tuple[float, int]], rows: int, ge
     one proposal with rows = its pending tokens is exactly choose()."""
     gains = sorted(((alpha ** j, index) for index, (alpha, available) in enumerate(proposals)
                     for j in range(1, available + 1)), key=lambda gain: -gain[0])  # stable: a draft keeps its order
-    best, best_rate = 0, generating / costs.cost(rows)
+    best, best_rate = 0, generating / costs.cost(rows, sequences)
     expected = float(generating)
     for extra, (gain, _) in enumerate(gains, 1):
         expected += gain
-        rate = expected / costs.cost(rows + extra)
+        rate = expected / costs.cost(rows + extra, sequences)
         if rate > best_rate:
             best, best_rate = extra, rate
     counts = [0] * len(proposals)

@@ -54,7 +54,8 @@ def verify_lengths(costs: CostModel, proposals: list[Propose], rows: list[Rows])
     anyway (every pending token, prefill chunks)."""
     base = sum(len(r.ids) for r in rows) + sum(p.pending for p in proposals)
     generating = sum(r.generating for r in rows) + len(proposals)
-    return allocate(costs, [(p.alpha, p.available) for p in proposals], base, generating)
+    return allocate(costs, [(p.alpha, p.available) for p in proposals], base, generating,
+                    sequences=len(rows) + len(proposals))
 
 
 def forward_batch(path, rows: list[Rows], costs: CostModel | None = None) -> list:
@@ -65,7 +66,7 @@ def forward_batch(path, rows: list[Rows], costs: CostModel | None = None) -> lis
     for r in rows:
         r.seconds = seconds
     if costs is not None:
-        costs.observe(sum(len(r.ids) for r in rows), seconds)
+        costs.observe(sum(len(r.ids) for r in rows), seconds, sequences=len(rows))
     return logits
 
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from codespec.adaptive import ModelDrafting, Acceptance, Adaptive, CostModel, choose, measure_costs
+from codespec.adaptive import ModelDrafting, Acceptance, Adaptive, CostModel, allocate, choose, measure_costs
 from codespec.config import SamplingParams, SpecConfig
 from codespec.decode import generate_steps
 from codespec.drafters import Chain
@@ -41,6 +41,23 @@ def test_observed_forwards_pull_their_size_toward_what_they_took():
     assert costs.cost(2) == pytest.approx(3.0, rel=0.02)
     costs.observe(500, 9.0)  # a prefill: past the table, ignored
     assert costs.cost(4) == 1.0
+
+
+def test_a_forward_over_several_sequences_teaches_what_each_sequence_adds_not_the_row_table():
+    """Ticks of 7 and 8 sessions' single rows (each over its own long cache) took 20 and 27 ms: folded into the
+    row table, one more row (a draft token) would look as dear as one more session, and no draft would pay."""
+    costs = CostModel((1, 8, 16), (0.008, 0.009, 0.015))
+    for _ in range(100):
+        costs.observe(8, 0.027, sequences=8)
+        costs.observe(7, 0.020, sequences=7)
+    assert costs.cost(8) == pytest.approx(0.009) and costs.cost(7) == pytest.approx(0.008 + 0.001 * 6 / 7)
+    assert 0.0018 < costs.per_sequence < 0.0026  # each session past the first: (27 - 9) / 7 and (20 - 8.9) / 6 ms
+    assert costs.cost(8, sequences=8) == pytest.approx(0.009 + 7 * costs.per_sequence)
+    drafts = [(0.85, 4)] * 7
+    assert sum(allocate(costs, drafts, 7, 7, sequences=7)) > 0  # drafts priced by the rows they add
+    # the table a server had learnt by folding them in (measured at 8 clients: 7 rows 20.6 ms, 8 rows 26.7, ...)
+    folded = CostModel((1, 7, 8, 9, 11, 15, 23), (0.008, 0.0206, 0.0267, 0.0284, 0.033, 0.0422, 0.0971))
+    assert sum(allocate(folded, drafts, 7, 7)) == 0
 
 
 def test_a_pinned_cost_table_is_used_as_it_is_and_a_bad_one_stops_the_start(engine, tmp_path, monkeypatch, capsys,
@@ -277,7 +294,7 @@ def test_greedy_output_does_not_depend_on_the_draft_lengths_timing_picks(engine,
     plain = engine.generate(prompt, SamplingParams(max_tokens=60), spec=SpecConfig(spec=("none",)))
     lengths = []
 
-    def erratic(costs, proposals, rows, generating):
+    def erratic(costs, proposals, rows, generating, sequences=1):
         lengths.extend(int(rng.integers(0, available + 1)) for _, available in proposals)
         return lengths[-len(proposals):]
 
