@@ -42,24 +42,31 @@ def test_pull_is_idempotent(default_engine):
 
 
 def assert_greedy_identity(engine, name):
-    """Speculative greedy output equals plain greedy output, by default (long prompts multiplied in bfloat16, keys
-    and values kept in float16) and in float32 (--prompt-precision float32 --cache-type f32), where it also equals
-    transformers' own generate (with and without its prompt lookup) on the same model."""
+    """Speculative greedy output equals plain greedy output, by default (on the GGUF's blocks: activations rounded to
+    8 bits; on the checkpoint's weights: long prompts multiplied in bfloat16; keys and values kept in float16 on both)
+    and in float32 throughout (--activations float32 --prompt-precision float32 --cache-type f32), where it also
+    equals transformers' own generate (with and without its prompt lookup) on the same model."""
     text, chat = PROMPTS[name]
     prompt = engine.encode(text, chat=chat)
     assert len(prompt) > 16  # long enough to go through the weights for prompts
     params = SamplingParams(max_tokens=96)
+    blocks = engine.gguf is not None
     try:
-        for precision, cache_type in (("bfloat16", "f16"), ("float32", "f32")):
-            engine.path.use_prompt_precision(precision)
-            engine.path.use_cache_type(cache_type)
-            assert (engine.path.prompt_weights is None) == (precision == "float32")
+        for exact in (False, True):
+            if blocks:
+                engine.path.use_activations("float32" if exact else "auto")
+                assert engine.path.q8 == (not exact)
+            engine.path.use_prompt_precision("float32" if exact else ("auto" if blocks else "bfloat16"))
+            engine.path.use_cache_type("f32" if exact else "f16")
+            assert (engine.path.prompt_weights is None) == (exact or blocks)
             plain = engine.generate(prompt, params, spec=NONE)
             assert len(plain.tokens) > 10
             for spec in (LOOKUP, LOOKUP_LONG):
                 fast = engine.generate(prompt, params, spec=spec)
-                assert fast.tokens == plain.tokens and fast.text == plain.text, precision
+                assert fast.tokens == plain.tokens and fast.text == plain.text, exact
     finally:
+        if blocks:
+            engine.path.use_activations(ModelConfig.activations)
         engine.path.use_prompt_precision(ModelConfig.prompt_precision)
         engine.path.use_cache_type(ModelConfig.cache_type)
     model = engine.model
@@ -179,7 +186,7 @@ def checkpoint_engine():
 
 
 def test_the_default_reads_the_gguf_blocks(default_engine):
-    assert default_engine.gguf is not None and default_engine.path.reads == "gguf blocks"
+    assert default_engine.gguf is not None and default_engine.path.reads == "gguf blocks, q8 activations"
     assert isinstance(default_engine.path.fewrows.head, tuple)  # the Q8_0 output layer's blocks, not 16 bits
 
 
