@@ -30,37 +30,53 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per forward that are timed; othe
 
 
 class CostModel:
-    """Seconds of one forward over n tokens: measured at SIZES, interpolated in between, then corrected
-    by the forwards that generation actually runs (so a measurement disturbed by other load heals). A forward
-    over several sequences also pays for each one's own cache (attention): `per_sequence`, learnt from those
-    forwards apart from the table. Folded into the table, a tick of 8 sessions' single rows (8 rows, each over a
-    cache of 1,100 tokens: ~27 ms) made a draft token look as dear as a whole session (7 rows from 7 sessions
-    ~20 ms, so one more row 6.7 ms), and no session at 8 clients verified drafts."""
+    """Seconds of one forward over n tokens: measured at SIZES over a cache of `context` tokens, interpolated in
+    between, then corrected by the forwards that generation actually runs (so a measurement disturbed by other load
+    heals). Attention grows with the cache each row reads: a sequence costs `key_seconds` per cached key (reading its
+    keys and values) plus `row_key_seconds` per row per cached key (the products), both measured on a longer cache.
+    On this CPU, at 1,400 cached tokens, one more row of a verify costs ~1.8 ms where the table at 256 says 0.8:
+    drafts priced by the table alone were verified where they made a tick of 8 sessions slower. A forward over
+    several sequences also pays a little for each (`per_sequence`, learnt from those forwards apart from the table:
+    folded into it, a tick of 8 sessions' single rows made one draft token look as dear as a whole session)."""
 
     LEARN = 0.1  # weight of each observed forward in its size's running estimate
 
-    def __init__(self, sizes: tuple[int, ...], seconds: tuple[float, ...], pinned: bool = False):
+    def __init__(self, sizes: tuple[int, ...], seconds: tuple[float, ...], pinned: bool = False,
+                 key_seconds: float = 0.0, row_key_seconds: float = 0.0, context: int = 256):
         self.sizes, self.seconds, self.pinned = tuple(sizes), tuple(seconds), pinned
         # never cheaper for more tokens: a noisy small size takes the cheapest larger size's time
         monotone = np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[::-1])[::-1]
         self.table = np.interp(np.arange(sizes[-1] + 1), sizes, monotone)  # [n] -> seconds, n = 0..last
+        self.key_seconds, self.row_key_seconds, self.context = key_seconds, row_key_seconds, context
         self.per_sequence = 0.0  # seconds each sequence past the first adds to a forward, learnt
 
-    def cost(self, tokens: int, sequences: int = 1) -> float:
-        """Seconds for a forward over `tokens` tokens of `sequences` sequences; extended linearly past the last
-        size."""
-        extra = self.per_sequence * max(sequences - 1, 0)
+    def cost(self, tokens: int, sequences: int = 1, keys: int | None = None, row_keys: int | None = None) -> float:
+        """Seconds for a forward over `tokens` tokens of `sequences` sequences; extended linearly past the last size.
+        keys: the cached tokens of all the sequences together, row_keys: the sum over sequences of rows x cached
+        tokens (None: each sequence over a cache of the table's length)."""
+        return max(self._rows(tokens) + self._attention(tokens, sequences, keys, row_keys),
+                   0.25 * self._rows(tokens)) + self.per_sequence * max(sequences - 1, 0)
+
+    def _rows(self, tokens: int) -> float:
         last = len(self.table) - 1
         if tokens <= last:
-            return float(self.table[max(tokens, 1)]) + extra
+            return float(self.table[max(tokens, 1)])
         slope = (self.table[last] - self.table[self.sizes[-2]]) / (last - self.sizes[-2])
-        return float(self.table[last] + slope * (tokens - last)) + extra
+        return float(self.table[last] + slope * (tokens - last))
 
-    def observe(self, tokens: int, seconds: float, sequences: int = 1) -> None:
-        """A forward over one sequence moves its size's estimate; over several, what each sequence past the first
-        added beyond the table's time for the tokens."""
+    def _attention(self, tokens: int, sequences: int, keys: int | None, row_keys: int | None) -> float:
+        """What the caches add beyond the table's (one sequence over `context` keys)."""
+        if keys is None:
+            return 0.0
+        return self.key_seconds * (keys - self.context) + self.row_key_seconds * (row_keys - self.context * tokens)
+
+    def observe(self, tokens: int, seconds: float, sequences: int = 1, keys: int | None = None,
+                row_keys: int | None = None) -> None:
+        """A forward over one sequence moves its size's estimate (at the table's cache length); over several, what
+        each sequence past the first added beyond the table's time for the tokens and the caches."""
         if not 1 <= tokens < len(self.table) or self.pinned:
             return
+        seconds -= self._attention(tokens, sequences, keys, row_keys)
         if sequences <= 1:
             self.table[tokens] += self.LEARN * (seconds - self.table[tokens])
         else:
@@ -71,38 +87,52 @@ class CostModel:
         return self.cost(tokens) / self.cost(1)
 
     def to_dict(self) -> dict:
-        return {"tokens": list(self.sizes), "ms": [round(s * 1e3, 2) for s in self.seconds]}
+        return {"tokens": list(self.sizes), "ms": [round(s * 1e3, 2) for s in self.seconds], "context": self.context,
+                "ms_per_1000_keys": [round(self.key_seconds * 1e6, 4), round(self.row_key_seconds * 1e6, 4)]}
 
 
 def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, ...] = SIZES,
-                  repeats: int = 4) -> CostModel:
-    """Time forwards over each size on top of `context` cached tokens. The fastest of the repeats counts:
-    other load on the machine only ever adds time."""
+                  repeats: int = 4, longer: int = 1024) -> CostModel:
+    """Time forwards over each size on top of `context` cached tokens, then the smallest size and the size nearest
+    16 on top of `context + longer` (what a cached key costs, once per sequence and per row). The fastest of the
+    repeats counts: other load on the machine only ever adds time."""
     rng = np.random.default_rng(0)
     cache = path.new_cache()
     path(cache, rng.integers(0, vocab_size, context).tolist(), 1)
-    fastest = []
-    for size in sizes:
-        tokens = rng.integers(0, vocab_size, size).tolist()
-        timings = []
+
+    def fastest(size: int) -> float:
+        tokens, timings, length = rng.integers(0, vocab_size, size).tolist(), [], cache.length
         for _ in range(repeats + 1):
             started = time.perf_counter()
             path(cache, tokens, size)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             timings.append(time.perf_counter() - started)
-            cache.crop(context)
-        fastest.append(min(timings[1:]))
-    return CostModel(tuple(sizes), tuple(fastest))
+            cache.crop(length)
+        return min(timings[1:])
+
+    table = [fastest(size) for size in sizes]
+    key_seconds = row_key_seconds = 0.0
+    few, many = sizes[0], max(n for n in sizes if n <= 16)
+    if longer > 0 and many > few:
+        path(cache, rng.integers(0, vocab_size, longer).tolist(), 1)
+        added = {n: max(fastest(n) - table[sizes.index(n)], 0.0) / longer for n in (few, many)}  # per key, n rows
+        row_key_seconds = max(added[many] - added[few], 0.0) / (many - few)
+        key_seconds = max(added[few] - few * row_key_seconds, 0.0)
+    return CostModel(tuple(sizes), tuple(table), key_seconds=key_seconds, row_key_seconds=row_key_seconds,
+                     context=context)
 
 
 def pinned_costs(file: str) -> CostModel:
-    """$CODESPEC_COSTS: a cost table in the shape `to_dict` writes ({"tokens": [...], "ms": [...]}), used
-    as it is, never measured nor learnt, so that adaptive choices repeat on a noisy machine."""
+    """$CODESPEC_COSTS: a cost table in the shape `to_dict` writes ({"tokens": [...], "ms": [...]}, optionally
+    "context" and "ms_per_1000_keys": [per sequence, per row]), used as it is, never measured nor learnt, so that
+    adaptive choices repeat on a noisy machine."""
     try:
         data = json.loads(Path(file).read_text())
+        per_key, per_row_key = (float(ms) / 1e6 for ms in data.get("ms_per_1000_keys", (0.0, 0.0)))
         return CostModel(tuple(int(n) for n in data["tokens"]), tuple(float(ms) / 1e3 for ms in data["ms"]),
-                         pinned=True)
+                         pinned=True, key_seconds=per_key, row_key_seconds=per_row_key,
+                         context=int(data.get("context", 256)))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CodespecError(f"CODESPEC_COSTS={file}: not a cost table like {{\"tokens\": [1, 2], \"ms\": [10, 11]}}"
                          f" ({error})") from None
@@ -131,17 +161,19 @@ def cached_costs(path, model, vocab_size: int) -> CostModel:
     file = codespec_home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     try:
         data = json.loads(file.read_text())
-        sizes, seconds = list(data["sizes"]), list(data["seconds"])
+        sizes, seconds, keys = list(data["sizes"]), list(data["seconds"]), list(data["keys"])
         # a file cut short by a kill, written by another version or edited by hand is measured again
         if sizes == list(SIZES) and len(seconds) == len(SIZES) and all(
-                type(s) in (int, float) and 0 < s < float("inf") for s in seconds):
-            return CostModel(SIZES, tuple(float(s) for s in seconds))
+                type(s) in (int, float) and 0 < s < float("inf") for s in seconds) and len(keys) == 2 and all(
+                type(s) in (int, float) and 0 <= s < 1 for s in keys):
+            return CostModel(SIZES, tuple(float(s) for s in seconds), key_seconds=keys[0], row_key_seconds=keys[1])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     costs = measure_costs(path, vocab_size)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps({"key": key, "sizes": costs.sizes, "seconds": costs.seconds}))
+        file.write_text(json.dumps({"key": key, "sizes": costs.sizes, "seconds": costs.seconds,
+                                    "keys": [costs.key_seconds, costs.row_key_seconds]}))
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
     return costs
@@ -169,38 +201,52 @@ class Acceptance:
         return (self.hits + self.PRIOR) / (self.hits + self.misses + 2 * self.PRIOR)
 
 
-def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_cost: float = 0.0) -> int:
+def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_cost: float = 0.0,
+           keys: int | None = None) -> int:
     """The number of draft tokens (0..available) that maximises expected tokens per second; draft_cost is
-    the seconds drafting one more token costs (a draft model's forward; n-gram drafts are free)."""
-    plain = costs.cost(pending)
-    best_k, best_rate = 0, 1.0 / plain
-    expected = 1.0
-    for k in range(1, available + 1):
-        expected += alpha ** k  # 1 + alpha + ... + alpha^k: the target's token plus the accepted prefix
-        # more tokens never cost less, whatever noise the learnt estimates picked up
-        rate = expected / (max(costs.cost(pending + k), plain) + k * draft_cost)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+    the seconds drafting one more token costs (a draft model's forward; n-gram drafts are free); keys: the tokens
+    the session's cache holds (None: as many as the cost table's)."""
+    return allocate(costs, [(alpha, available, keys)], pending, 1, draft_cost=draft_cost)[0]
 
 
-def allocate(costs: CostModel, proposals: list[tuple[float, int]], rows: int, generating: int,
-             sequences: int = 1) -> list[int]:
-    """choose() for a batch. A forward over `rows` tokens of `sequences` sequences gives `generating` sessions one
-    token each; each
-    proposal is a drafter's acceptance rate alpha and the draft tokens it offers. Verifying the j-th token of a
-    draft adds one row and alpha^j expected tokens, so for any number of extra rows the best ones are the most
-    likely tokens of all drafts together (each draft's in order, as alpha^j falls with j): take them from the
-    most to the least likely and stop where the batch yields the most tokens per second. Returns the tokens
-    each proposal verifies. Speculating never makes the batch slower than the same batch without drafts, and
-    one proposal with rows = its pending tokens is exactly choose()."""
-    gains = sorted(((alpha ** j, index) for index, (alpha, available) in enumerate(proposals)
-                    for j in range(1, available + 1)), key=lambda gain: -gain[0])  # stable: a draft keeps its order
-    best, best_rate = 0, generating / costs.cost(rows, sequences)
-    expected = float(generating)
-    for extra, (gain, _) in enumerate(gains, 1):
+def allocate(costs: CostModel, proposals: list[tuple[float, int, int | None]], rows: int, generating: int,
+             sequences: int = 1, keys: int | None = None, row_keys: int | None = None,
+             draft_cost: float = 0.0) -> list[int]:
+    """choose() for a batch. A forward over `rows` tokens of `sequences` sequences (whose caches hold `keys` tokens,
+    `row_keys` = rows x cached tokens summed over them) gives `generating` sessions one token each; each proposal
+    is a drafter's acceptance rate alpha, the draft tokens it offers and the tokens its session's cache holds (a
+    proposal's session is among the sequences, its pending rows among the rows; None everywhere: caches as long as
+    the cost table's). Verifying the j-th token of a draft adds one row and alpha^j expected tokens, so the best
+    rows to add are those with the most expected tokens per second of the row's own cost (each draft's in order, as
+    alpha^j falls with j): take them in that order and stop where the batch yields the most tokens per second.
+    Returns the tokens each proposal verifies. Speculating never makes the batch slower than the same batch without
+    drafts, and one proposal with rows = its pending tokens is exactly choose()."""
+    known = keys is not None or all(p[2] is not None for p in proposals)
+    if known:
+        keys = keys if keys is not None else sum(p[2] for p in proposals)
+        row_keys = row_keys if row_keys is not None else rows * keys
+
+    def seconds(extra: int, extra_keys: int) -> float:
+        if not known:
+            return costs.cost(rows + extra, sequences)
+        return costs.cost(rows + extra, sequences, keys, row_keys + extra_keys)
+
+    plain = seconds(0, 0)
+    slope = max(seconds(1, 0) - plain, 1e-9)
+
+    def value(gain: tuple[float, int]) -> float:  # expected tokens per second of the row's own cost
+        cached = proposals[gain[1]][2]
+        return gain[0] / (slope + (costs.row_key_seconds * cached if known else 0.0) + draft_cost)
+
+    gains = sorted(((alpha ** j, index) for index, (alpha, available, _) in enumerate(proposals)
+                    for j in range(1, available + 1)), key=lambda gain: -value(gain))  # stable: a draft keeps its order
+    best, best_rate = 0, generating / plain
+    expected, extra_keys = float(generating), 0
+    for extra, (gain, index) in enumerate(gains, 1):
         expected += gain
-        rate = expected / costs.cost(rows + extra, sequences)
+        extra_keys += proposals[index][2] if known else 0
+        # more rows never cost less, whatever noise the learnt estimates picked up
+        rate = expected / (max(seconds(extra, extra_keys), plain) + extra * draft_cost)
         if rate > best_rate:
             best, best_rate = extra, rate
     counts = [0] * len(proposals)
@@ -235,7 +281,7 @@ class Adaptive:
     probe_countdown: dict[str, int] = field(default_factory=dict)
     held_back: set[str] = field(default_factory=set)  # model drafters whose cache fell behind the history
 
-    def draft_limit(self, pending: int):
+    def draft_limit(self, pending: int, keys: int | None = None):
         """limit(name, available) for Chain.draft: how many tokens a model drafter should draft at all, its
         own time per token counted. N-gram drafters cost next to nothing and always draft in full. A model drafter
         that was held back drafts again only through a probe: its next draft first has to read every token it
@@ -247,7 +293,8 @@ class Adaptive:
             if seconds is None:  # not timed yet: drafting two tokens measures what one more costs
                 return min(available, 2)
             evidence = self.of(drafter)
-            tokens = 0 if drafter in self.held_back else choose(self.costs, evidence.alpha, available, pending, seconds)
+            tokens = 0 if drafter in self.held_back else choose(self.costs, evidence.alpha, available, pending, seconds,
+                                                                         keys)
             if tokens == 0:
                 evidence.skipped += 1
                 countdown = self.probe_countdown.get(drafter)

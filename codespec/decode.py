@@ -43,6 +43,7 @@ class Propose:
     drafter: str
     available: int
     pending: int
+    keys: int  # tokens the session's cache holds (each row it adds attends to them)
 
     @property
     def alpha(self) -> float:
@@ -54,19 +55,23 @@ def verify_lengths(costs: CostModel, proposals: list[Propose], rows: list[Rows])
     anyway (every pending token, prefill chunks)."""
     base = sum(len(r.ids) for r in rows) + sum(p.pending for p in proposals)
     generating = sum(r.generating for r in rows) + len(proposals)
-    return allocate(costs, [(p.alpha, p.available) for p in proposals], base, generating,
-                    sequences=len(rows) + len(proposals))
+    keys = sum(r.cache.length for r in rows) + sum(p.keys for p in proposals)
+    row_keys = sum(len(r.ids) * r.cache.length for r in rows) + sum(p.pending * p.keys for p in proposals)
+    return allocate(costs, [(p.alpha, p.available, p.keys) for p in proposals], base, generating,
+                    sequences=len(rows) + len(proposals), keys=keys, row_keys=row_keys)
 
 
 def forward_batch(path, rows: list[Rows], costs: CostModel | None = None) -> list:
     """One forward over every sequence's rows; each learns how long it took, and so do the measured costs."""
+    keys = sum(r.cache.length for r in rows)
+    row_keys = sum(len(r.ids) * r.cache.length for r in rows)
     started = time.perf_counter()
     logits = path.batch(rows)
     seconds = time.perf_counter() - started
     for r in rows:
         r.seconds = seconds
     if costs is not None:
-        costs.observe(sum(len(r.ids) for r in rows), seconds, sequences=len(rows))
+        costs.observe(sum(len(r.ids) for r in rows), seconds, sequences=len(rows), keys=keys, row_keys=row_keys)
     return logits
 
 
@@ -115,7 +120,7 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     history = session.history
     room = context - len(history)  # positions left for draft tokens plus the target's own token
     pending = session.pending
-    limit = adaptive.draft_limit(len(pending)) if adaptive is not None else None
+    limit = adaptive.draft_limit(len(pending), session.cache.length) if adaptive is not None else None
     started = time.perf_counter()
     draft = session.chain.draft(history, min(draft_max, budget - 1, room - 1), limit)
     proposal = draft.tokens if draft else []
@@ -124,7 +129,7 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     if adaptive is not None and proposal:
         adaptive.observe_draft(drafter, len(proposal), time.perf_counter() - started - draft.catch_up_seconds,
                                draft.catch_up_seconds)
-        verify = yield Propose(adaptive, drafter, len(proposal), len(pending))
+        verify = yield Propose(adaptive, drafter, len(proposal), len(pending), session.cache.length)
     drafted = proposal[:verify]  # [k]
     probs = draft.probs[:verify] if drafted and draft.probs is not None else None
 

@@ -53,11 +53,58 @@ def test_a_forward_over_several_sequences_teaches_what_each_sequence_adds_not_th
     assert costs.cost(8) == pytest.approx(0.009) and costs.cost(7) == pytest.approx(0.008 + 0.001 * 6 / 7)
     assert 0.0018 < costs.per_sequence < 0.0026  # each session past the first: (27 - 9) / 7 and (20 - 8.9) / 6 ms
     assert costs.cost(8, sequences=8) == pytest.approx(0.009 + 7 * costs.per_sequence)
-    drafts = [(0.85, 4)] * 7
+    drafts = [(0.85, 4, None)] * 7
     assert sum(allocate(costs, drafts, 7, 7, sequences=7)) > 0  # drafts priced by the rows they add
     # the table a server had learnt by folding them in (measured at 8 clients: 7 rows 20.6 ms, 8 rows 26.7, ...)
     folded = CostModel((1, 7, 8, 9, 11, 15, 23), (0.008, 0.0206, 0.0267, 0.0284, 0.033, 0.0422, 0.0971))
     assert sum(allocate(folded, drafts, 7, 7)) == 0
+
+
+def measured_here() -> CostModel:
+    """This CPU's q8 forward (2026-11-25): the table over 256 cached tokens, and what each cached key adds."""
+    return CostModel(SIZES, (0.00374, 0.00423, 0.0054, 0.00842, 0.01526, 0.02872, 0.05471, 0.1111),
+                     key_seconds=0.32e-6, row_key_seconds=0.70e-6, context=256)
+
+
+def test_the_cached_keys_each_row_attends_are_priced():
+    """At 8 clients each session's cache held ~1,400 tokens: one more row of a verify took ~1.8 ms where the table
+    (256 cached tokens) says 0.8. Priced by the table, drafts accepted 70% of the time were verified although they
+    made the tick slower; priced by their keys they are not, and the forwards observed teach the table its own
+    cache length."""
+    costs = measured_here()
+    assert costs.cost(8, 8, keys=8 * 1400, row_keys=8 * 1400) == pytest.approx(0.0183, abs=0.001)  # measured 17.8
+    assert costs.cost(16, 8, keys=8 * 1400, row_keys=16 * 1400) == pytest.approx(0.0316, abs=0.001)  # 32.0
+    assert costs.cost(4, keys=256, row_keys=4 * 256) == pytest.approx(costs.cost(4))
+    tick = dict(rows=8, generating=8, sequences=8, keys=8 * 1400, row_keys=8 * 1400)
+    assert sum(allocate(costs, [(0.7, 8, 1400)] * 4, **tick)) == 0
+    table = CostModel(SIZES, costs.seconds)  # the keys unpriced, what 8 rows of 8 sessions took learnt per sequence
+    table.per_sequence = (0.0178 - 0.00842) / 7
+    assert sum(allocate(table, [(0.7, 8, None)] * 4, 8, 8, sequences=8)) > 0
+    assert sum(allocate(costs, [(0.95, 8, 1400)] * 4, **tick)) > 0
+    assert choose(costs, 0.8, 16, 1, keys=4000) < choose(costs, 0.8, 16, 1, keys=256)
+    for keys in (100, 256, 3000):  # forwards that take what the model says leave the table where it is
+        for _ in range(20):
+            costs.observe(4, costs.cost(4, keys=keys, row_keys=4 * keys), keys=keys, row_keys=4 * keys)
+    assert costs.cost(4) == pytest.approx(0.0054)
+
+
+def test_a_batch_with_drafts_is_never_slower_than_without_by_its_costs():
+    """Whatever the caches and acceptance rates, the rows allocate() adds yield at least the tokens per second of the
+    same batch without drafts, by the cost model's own prices (counted here apart from allocate's bookkeeping)."""
+    rng = np.random.default_rng(5)
+    costs = measured_here()
+    for _ in range(300):
+        sessions = int(rng.integers(1, 10))
+        caches = rng.integers(10, 4000, sessions).tolist()
+        proposals = [(float(rng.uniform(0, 1)), int(rng.integers(0, 17)), k) for k in caches]
+        plain = dict(keys=sum(caches), row_keys=sum(caches))
+        counts = allocate(costs, proposals, sessions, sessions, sequences=sessions, **plain)
+        assert all(0 <= c <= p[1] for c, p in zip(counts, proposals))
+        rows = sessions + sum(counts)
+        with_drafts = costs.cost(rows, sessions, plain["keys"], plain["row_keys"] + sum(c * k for c, k in
+                                                                                       zip(counts, caches)))
+        expected = sessions + sum(sum(a ** j for j in range(1, c + 1)) for c, (a, _, _) in zip(counts, proposals))
+        assert expected / with_drafts >= sessions / costs.cost(sessions, sessions, **plain) - 1e-12
 
 
 def test_a_pinned_cost_table_is_used_as_it_is_and_a_bad_one_stops_the_start(engine, tmp_path, monkeypatch, capsys,
@@ -149,9 +196,12 @@ def test_a_drafter_switched_off_comes_back_when_its_drafts_would_pay(model):
     assert drafter.skipped_drafts > 0 and stats.accepted_tokens > 40
 
 
-def test_measured_costs_cover_every_size(model):
-    costs = measure_costs(forward_path(model), model.config.vocab_size, context=16, sizes=(1, 2, 4), repeats=1)
-    assert costs.sizes == (1, 2, 4) and all(s > 0 for s in costs.seconds)
+def test_measured_costs_cover_every_size_and_the_cached_keys(model, tmp_path, monkeypatch):
+    costs = measure_costs(forward_path(model), model.config.vocab_size, context=16, sizes=(1, 2, 4), repeats=1,
+                          longer=200)
+    assert costs.sizes == (1, 2, 4) and all(s > 0 for s in costs.seconds) and costs.context == 16
+    assert costs.key_seconds >= 0 and costs.row_key_seconds >= 0
+    assert costs.cost(4, keys=216, row_keys=4 * 216) >= costs.cost(4)
 
 
 def test_engine_measures_costs_once_and_adaptive_output_matches_plain(engine):
@@ -294,8 +344,8 @@ def test_greedy_output_does_not_depend_on_the_draft_lengths_timing_picks(engine,
     plain = engine.generate(prompt, SamplingParams(max_tokens=60), spec=SpecConfig(spec=("none",)))
     lengths = []
 
-    def erratic(costs, proposals, rows, generating, sequences=1):
-        lengths.extend(int(rng.integers(0, available + 1)) for _, available in proposals)
+    def erratic(costs, proposals, rows, generating, **batch):
+        lengths.extend(int(rng.integers(0, available + 1)) for _, available, _ in proposals)
         return lengths[-len(proposals):]
 
     monkeypatch.setattr(codespec.decode, "allocate", erratic)
