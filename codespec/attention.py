@@ -84,8 +84,9 @@ def _task(table, task, layer, kv_heads, group, dim):
     s, h = task // kv_heads, task % kv_heads
     capacity, first, start, count = table[s, 2], table[s, 3], table[s, 4], table[s, 5]
     rows = count * group
-    return (s, h, first, start, count, rows, table[s, 6] + h * rows,
-            (layer * kv_heads + h) * capacity * dim * table[s, 7])
+    itemsize = table[s, 7]
+    row_bytes = dim * itemsize if itemsize > 1 else dim + 4  # q8: dim int8 and a float32 scale
+    return (s, h, first, start, count, rows, table[s, 6] + h * rows, (layer * kv_heads + h) * capacity * row_bytes)
 
 
 @intrinsic
@@ -98,13 +99,55 @@ def _to_half(typingctx, value):
     return types.uint16(types.float32), codegen
 
 
+@intrinsic
+def _bits(typingctx, value):
+    """The bits of a float32, as an int32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.int32))
+    return types.int32(types.float32), codegen
+
+
+@numba.njit(inline="always", cache=True, boundscheck=False)
+def _store_bits(row, at, bits):
+    """An int32's bytes, little-endian, into row[at : at + 4] (int8)."""
+    for b in range(4):
+        row[at + b] = np.int8(np.int32(((bits >> (8 * b)) & 255) ^ 128) - 128)
+
+
+@numba.njit(inline="always", cache=True, boundscheck=False)
+def _quantize(x, row, key):
+    """x (float32 [dim]) into a q8 row (int8 [dim + 4] or more): x rounded to integers (x * 127 / its largest
+    magnitude, half to even) times one scale (that magnitude * float32(1 / 127)), then the scale's float32 bytes. A key's integers are stored plus 128 (as
+    unsigned bytes, which vpdpbusd takes: attention_ir.scores_q8_ir). Returns the sum of the integers."""
+    dim = x.shape[0]
+    top = np.float32(0.0)
+    for d in range(dim):
+        top = max(top, abs(x[d]))
+    factor = np.float32(127.0) / top if top > 0 else np.float32(0.0)
+    total = 0
+    for d in range(dim):
+        integer = np.int32(np.rint(x[d] * factor))
+        total += integer
+        row[d] = np.int8(integer ^ np.int32(-128)) if key else np.int8(integer)
+    # a product, not top / 127: inlined by LLVM into a fast-math caller (the attention loop), a division by a constant
+    # became a product by its reciprocal, and the kernel's scales differed in the last bit from a prompt chunk's
+    _store_bits(row, dim, _bits(top * np.float32(1.0 / 127.0)))
+    return total
+
+
 @numba.njit(cache=True, boundscheck=False)
 def _write(keys_at, values_at, itemsize, new_keys, new_values, start, dim):
     """New keys and values [count, dim] into a cache head's rows start.. (addresses keys_at, values_at), rounded to
-    float16 when its elements are 2 bytes (numba has no float16: as their bits). A call of its own: inlined into
+    float16 when its elements are 2 bytes (numba has no float16: as their bits), to q8 rows when 1 byte. A call of its own: inlined into
     the parallel loop, numba's dead-code pass drops these stores (the arrays are not read there after)."""
     count = new_keys.shape[0]
-    if itemsize == 4:
+    if itemsize == 1:
+        keys = numba.carray(_pointer(keys_at), (start + count, dim + 4), np.int8)
+        values = numba.carray(_pointer(values_at), (start + count, dim + 4), np.int8)
+        for i in range(count):
+            _quantize(new_keys[i], keys[start + i], True)
+            _quantize(new_values[i], values[start + i], False)
+    elif itemsize == 4:
         keys = numba.carray(_pointer(keys_at), (start + count, dim), np.float32)
         values = numba.carray(_pointer(values_at), (start + count, dim), np.float32)
         keys[start:] = new_keys
@@ -168,13 +211,19 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels)
         end = start + count
         padded = (end + 15) // 16 * 16
         keys_at, values_at, itemsize = table[s, 0] + offset, table[s, 1] + offset, table[s, 7]
-        tiles = kernels[0 if itemsize == 4 else 1]
+        tiles = kernels[0 if itemsize == 4 else (1 if itemsize == 2 else 2)]
         _write(keys_at, values_at, itemsize, qk[first : first + count, heads + h], v[first : first + count, h],
                start, dim)
         q = np.empty((rows, dim), dtype=np.float32)
         for r in range(rows):
             q[r] = qk[first + r // group, h * group + r % group]
-        _call(tiles[0], q.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
+        if itemsize == 1:  # q8: the query rows rounded to 8 bits too, each with its scale and 128 x its sum
+            packed = np.empty((rows, dim + 8), dtype=np.int8)
+            for r in range(rows):
+                _store_bits(packed[r], dim + 4, 128 * _quantize(q[r], packed[r], False))
+            _call(tiles[0], packed.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
+        else:
+            _call(tiles[0], q.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
         for r in range(rows):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
             _softmax(scores[base + r], weights[base + r], start + r // group + 1, end)
         sums = np.empty((GROUP, dim), dtype=np.float32)
@@ -274,6 +323,58 @@ def _move(keys, values, into_keys, into_values, source, target, count, turn):
             into_values[layer, head, target + i] = values[layer, head, source + i]
 
 
+@numba.njit(inline="always", cache=True, boundscheck=False)
+def _scale_of(row, dim):
+    """The float32 scale of a q8 cache row (its 4 bytes after the dim integers)."""
+    bits = np.uint32(0)
+    for b in range(4):
+        bits |= np.uint32(np.uint8(row[dim + b])) << np.uint32(8 * b)
+    return _float_bits(bits)
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False)
+def _move_q8(keys, values, into_keys, into_values, source, target, count, turn):
+    """_move for q8 caches (int8 [layers, kv_heads, capacity, dim + 4]): each key read as its integers times its
+    scale, turned in float64, rounded to float32 and quantised again; values (with their scales) as they are."""
+    layers, kv_heads, dim = keys.shape[0], keys.shape[1], keys.shape[3] - 4
+    half = turn.shape[0]
+    for task in prange(layers * kv_heads):
+        layer, head = task // kv_heads, task % kv_heads
+        turned = np.empty(dim, dtype=np.float32)
+        for i in range(count):  # rising: within one cache a position is read before any write reaches it
+            old = keys[layer, head, source + i]
+            scale = np.float64(_scale_of(old, dim))
+            for pair in range(half):  # the integers are stored plus 128
+                x, y = (np.int32(old[2 * pair]) ^ np.int32(-128)) * scale, (np.int32(old[2 * pair + 1]) ^
+                                                                            np.int32(-128)) * scale
+                c, s = turn[pair, 0], turn[pair, 1]
+                turned[2 * pair] = np.float32(x * c - y * s)
+                turned[2 * pair + 1] = np.float32(x * s + y * c)
+            _quantize(turned, into_keys[layer, head, target + i], True)
+            into_values[layer, head, target + i] = values[layer, head, source + i]
+
+
+@numba.njit(cache=True, boundscheck=False)
+def write_q8(keys, values, new_keys, new_values, start):
+    """New keys and values [count, kv_heads, dim] (float32) into a q8 cache layer's rows start.. (int8 [kv_heads,
+    capacity, dim + 4]), rounded as the kernel rounds them."""
+    for h in range(keys.shape[0]):
+        for i in range(new_keys.shape[0]):
+            _quantize(new_keys[i, h], keys[h, start + i], True)
+            _quantize(new_values[i, h], values[h, start + i], False)
+
+
+def dequantized(rows: torch.Tensor, keys: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A q8 cache's rows (int8 [..., dim + 4]; keys' integers stored plus 128) as float32 [..., dim]: each row's
+    integers times its scale (into `out` when given)."""
+    dim = rows.shape[-1] - 4
+    scales = rows[..., dim:].contiguous().view(torch.float32)  # [..., 1]
+    integers = rows[..., :dim] ^ -128 if keys else rows[..., :dim]
+    if out is None:
+        return integers.float().mul_(scales)
+    return torch.mul(out.copy_(integers), scales, out=out)
+
+
 def move_cached(keys: torch.Tensor, values: torch.Tensor, source: int, target: int, count: int,
                 turn: torch.Tensor, into: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """forward.LeanLlama.move for CPU caches ([layers, kv_heads, capacity, dim] of float32, float64 or float16): one
@@ -281,6 +382,14 @@ def move_cached(keys: torch.Tensor, values: torch.Tensor, source: int, target: i
     25-160 ms for 2,500 positions, most of it allocation and per-operation overhead; this takes a few)."""
     match_threads()
     into_keys, into_values = into if into is not None else (keys, values)
+    if keys.dtype == torch.int8:  # q8
+        if into_keys.data_ptr() == keys.data_ptr() and target > source:  # a copy first: moving up within one
+            # cache, a write would reach rows not read yet
+            keys, values = (t[:, :, source : source + count].clone() for t in (keys, values))
+            source = 0
+        _move_q8(keys.numpy(), values.numpy(), into_keys.numpy(), into_values.numpy(), source, target, count,
+                 torch.view_as_real(turn).contiguous().numpy())
+        return
     half = keys.dtype == torch.float16  # numba has no float16: as their bits
     arrays = [t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
               for t in (keys, values, into_keys, into_values)]
@@ -357,6 +466,9 @@ def ready() -> bool:
         move_cached(keys, values, 4, 1, 3, torch.ones(2, dtype=torch.complex128))
         move_cached(keys, values, 1, 4, 3, torch.ones(2, dtype=torch.complex128), (keys.clone(), values.clone()))
         move_cached(keys.half(), values.half(), 4, 1, 3, torch.ones(2, dtype=torch.complex128))
+        small = torch.zeros(1, 1, 16, 20, dtype=torch.int8)  # q8: the writes and moves (the kernel's are the same)
+        write_q8(small[0].numpy(), small[0].clone().numpy(), qkv[:, 2:].numpy(), qkv[:, 2:].numpy(), 0)
+        move_cached(small, small.clone(), 4, 1, 3, torch.ones(2, dtype=torch.complex128))
     return numba.threading_layer() in ("omp", "tbb")
 
 

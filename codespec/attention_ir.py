@@ -28,15 +28,33 @@ from .llvmir import compile_ir
 VECTOR = "<16 x float>"
 FMA = "@llvm.fma.v16f32"
 GROUP = 4  # query rows that `values` adds into at once (their sums stay in registers)
-ELEMENTS = {4: ("float", VECTOR), 2: ("half", "<16 x half>")}  # cache element bytes: LLVM scalar and vector types
+ELEMENTS = {4: ("float", VECTOR), 2: ("half", "<16 x half>"), 1: ("i8", "<16 x i8>")}  # cache element bytes: LLVM
+# scalar and vector types (1: --cache-type q8, each key's or value's dim int8 followed by its float32 scale)
 
 
-def _load(name: str, pointer: str, itemsize: int) -> str:
-    """%name = 16 cache elements at %pointer as float32 lanes (widened from float16 when the cache holds those)."""
+def row_bytes(dim: int, itemsize: int) -> int:
+    """Bytes of one cached key (or value) of a head: dim elements, and for q8 the float32 scale after them."""
+    return dim * itemsize if itemsize > 1 else dim + 4
+
+
+def _load(name: str, pointer: str, itemsize: int, scale: str = "") -> str:
+    """%name = 16 cache elements at %pointer as float32 lanes (widened from float16 when the cache holds those; for
+    q8, integers times the splat `scale` of their row)."""
     scalar, vector = ELEMENTS[itemsize]
     if itemsize == 4:
         return f"  %{name} = load {VECTOR}, ptr {pointer}, align 4\n"
-    return f"  %{name}.h = load {vector}, ptr {pointer}, align 2\n  %{name} = fpext {vector} %{name}.h to {VECTOR}\n"
+    if itemsize == 2:
+        return (f"  %{name}.h = load {vector}, ptr {pointer}, align 2\n"
+                f"  %{name} = fpext {vector} %{name}.h to {VECTOR}\n")
+    return (f"  %{name}.b = load {vector}, ptr {pointer}, align 1\n  %{name}.i = sext {vector} %{name}.b to <16 x i32>\n"
+            f"  %{name}.f = sitofp <16 x i32> %{name}.i to {VECTOR}\n  %{name} = fmul {VECTOR} %{name}.f, {scale}\n")
+
+
+def _scale(name: str, row: str, dim: int) -> str:
+    """%name = the float32 scale of the q8 row at %row (after its dim integers), splat over 16 lanes."""
+    return (f"  %{name}.p = getelementptr i8, ptr {row}, i64 {dim}\n  %{name}.s = load float, ptr %{name}.p, align 1\n"
+            f"  %{name}.v = insertelement {VECTOR} poison, float %{name}.s, i64 0\n"
+            f"  %{name} = shufflevector {VECTOR} %{name}.v, {VECTOR} poison, <16 x i32> zeroinitializer\n")
 
 
 def _lanes(picks) -> str:
@@ -75,21 +93,82 @@ def scores_ir(dim: int, itemsize: int) -> str:
                      + _load(f"kf{n}", f"%kp{n}", 4 if keys == "%wide" else itemsize) +
                      f"  %s{n} = call {VECTOR} {FMA}({VECTOR} %qv{c}, {VECTOR} %kf{n}, {VECTOR} {sums[key]})\n")
             sums[key] = f"%s{n}"
-    for step, width in enumerate((8, 4, 2, 1)):  # each step halves every key's lanes, two vectors into one
+    reduce, total = _reduce(sums, VECTOR, "fadd", "t")
+    text += reduce
+    return text + ("  %oo = mul i64 %r, %width\n  %oj = add i64 %oo, %kb\n"
+                   "  %op = getelementptr float, ptr %out, i64 %oj\n"
+                   f"  store {VECTOR} {total}, ptr %op, align 4\n  %r.next = add i64 %r, 1\n"
+                   "  %rd = icmp eq i64 %r.next, %rows\n  br i1 %rd, label %next, label %row\nnext:\n"
+                   "  %b.next = add i64 %b, 1\n  %bd = icmp eq i64 %b.next, %blocks\n"
+                   "  br i1 %bd, label %exit, label %block\nexit:\n  ret void\n}\n")
+
+
+def _reduce(sums: list[str], vector: str, add: str, prefix: str) -> tuple[str, str]:
+    """16 vectors of 16 partial sums each (one per key) added down to one vector of the 16 keys' sums, in key order:
+    each step halves every key's lanes, two vectors into one (45 shuffles and adds instead of 16 x 8)."""
+    text = ""
+    for step, width in enumerate((8, 4, 2, 1)):
         first = [i for i in range(32) if (i // width) % 2 == 0]
         second = [i for i in range(32) if (i // width) % 2 == 1]
         added = []
         for i in range(len(sums) // 2):
-            name = f"%t{step}_{i}"
-            text += (f"  {name}.a = shufflevector {VECTOR} {sums[2 * i]}, {VECTOR} {sums[2 * i + 1]}, "
+            name = f"%{prefix}{step}_{i}"
+            text += (f"  {name}.a = shufflevector {vector} {sums[2 * i]}, {vector} {sums[2 * i + 1]}, "
                      f"<16 x i32> <{_lanes(first)}>\n"
-                     f"  {name}.b = shufflevector {VECTOR} {sums[2 * i]}, {VECTOR} {sums[2 * i + 1]}, "
-                     f"<16 x i32> <{_lanes(second)}>\n  {name} = fadd {VECTOR} {name}.a, {name}.b\n")
+                     f"  {name}.b = shufflevector {vector} {sums[2 * i]}, {vector} {sums[2 * i + 1]}, "
+                     f"<16 x i32> <{_lanes(second)}>\n  {name} = {add} {vector} {name}.a, {name}.b\n")
             added.append(name)
         sums = added
-    return text + ("  %oo = mul i64 %r, %width\n  %oj = add i64 %oo, %kb\n"
+    return text, sums[0]
+
+
+def scores_q8_ir(dim: int) -> str:
+    """@scores1(q, rows, k, count, out, width) for q8 caches: out[r * width + j] = (q[r] . k[j]) for query rows r
+    rounded to 8 bits (q: per row dim int8, its float32 scale, then 128 x the sum of its integers as an int32) and
+    keys j < count (a multiple of 16) of a q8 cache, stored plus 128 (unsigned, as vpdpbusd takes them) with their
+    scale. One vpdpbusd forms 64 products of a key and a row in 16 integer lanes: the sums are exact, then
+    (sum - 128 sum(q)) x q's scale x the key's scale in float32. dim a multiple of 64."""
+    row, stride, chunks = dim + 8, dim + 4, dim // 64
+    text = ("define void @scores1(ptr noalias %q, i64 %rows, ptr noalias %k, i64 %count, ptr noalias %out, "
+            "i64 %width) {\nentry:\n  %blocks = udiv i64 %count, 16\n  %none = icmp eq i64 %blocks, 0\n"
+            "  br i1 %none, label %exit, label %block\nblock:\n  %b = phi i64 [ 0, %entry ], [ %b.next, %next ]\n"
+            f"  %kb = mul i64 %b, 16\n  %kbo = mul i64 %kb, {stride}\n  %kbp = getelementptr i8, ptr %k, i64 %kbo\n"
+            f"  %ks.0 = insertelement {VECTOR} poison, float 0.0, i64 0\n")
+    scales = "%ks.0"
+    for key in range(16):  # the 16 keys' scales, once for all the rows
+        text += (f"  %ksp{key} = getelementptr i8, ptr %kbp, i64 {key * stride + dim}\n"
+                 f"  %kss{key} = load float, ptr %ksp{key}, align 1\n"
+                 f"  %ks{key + 1} = insertelement {VECTOR} {scales}, float %kss{key}, i64 {key}\n")
+        scales = f"%ks{key + 1}"
+    text += f"  br label %row\nrow:\n  %r = phi i64 [ 0, %block ], [ %r.next, %row ]\n  %qo = mul i64 %r, {row}\n"
+    text += "  %qp = getelementptr i8, ptr %q, i64 %qo\n"
+    for c in range(chunks):
+        text += (f"  %qcp{c} = getelementptr i8, ptr %qp, i64 {64 * c}\n"
+                 f"  %qv{c} = load <64 x i8>, ptr %qcp{c}, align 1\n")
+    text += (f"  %qsp = getelementptr i8, ptr %qp, i64 {dim}\n  %qs = load float, ptr %qsp, align 1\n"
+             f"  %qs.v = insertelement {VECTOR} poison, float %qs, i64 0\n"
+             f"  %qs.s = shufflevector {VECTOR} %qs.v, {VECTOR} poison, <16 x i32> zeroinitializer\n"
+             f"  %qcp = getelementptr i8, ptr %qp, i64 {dim + 4}\n  %qc = load i32, ptr %qcp, align 1\n"
+             "  %qc.v = insertelement <16 x i32> poison, i32 %qc, i64 0\n"
+             "  %qc.s = shufflevector <16 x i32> %qc.v, <16 x i32> poison, <16 x i32> zeroinitializer\n")
+    sums = []
+    for key in range(16):
+        acc = "zeroinitializer"
+        for c in range(chunks):
+            n = f"{key}_{c}"
+            text += (f"  %kp{n} = getelementptr i8, ptr %kbp, i64 {key * stride + 64 * c}\n"
+                     f"  %kv{n} = load <64 x i8>, ptr %kp{n}, align 1\n"
+                     f"  %d{n} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc}, <64 x i8> %kv{n}, "
+                     f"<64 x i8> %qv{c})\n")
+            acc = f"%d{n}"
+        sums.append(acc)
+    reduce, total = _reduce(sums, "<16 x i32>", "add", "t")
+    text += reduce
+    return text + (f"  %exact = sub <16 x i32> {total}, %qc.s\n  %sf = sitofp <16 x i32> %exact to {VECTOR}\n"
+                   f"  %sc = fmul {VECTOR} {scales}, %qs.s\n  %sv = fmul {VECTOR} %sf, %sc\n"
+                   "  %oo = mul i64 %r, %width\n  %oj = add i64 %oo, %kb\n"
                    "  %op = getelementptr float, ptr %out, i64 %oj\n"
-                   f"  store {VECTOR} {sums[0]}, ptr %op, align 4\n  %r.next = add i64 %r, 1\n"
+                   f"  store {VECTOR} %sv, ptr %op, align 4\n  %r.next = add i64 %r, 1\n"
                    "  %rd = icmp eq i64 %r.next, %rows\n  br i1 %rd, label %next, label %row\nnext:\n"
                    "  %b.next = add i64 %b, 1\n  %bd = icmp eq i64 %b.next, %blocks\n"
                    "  br i1 %bd, label %exit, label %block\nexit:\n  ret void\n}\n")
@@ -106,10 +185,12 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
     for r in range(rows):
         for c in range(chunks):
             text += f"  %a{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, %loop ]\n"
-    text += f"  %vo = mul i64 %j, {dim}\n"
+    text += f"  %vo = mul i64 %j, {row_bytes(dim, itemsize) // itemsize}\n"
+    if itemsize == 1:
+        text += "  %vrow = getelementptr i8, ptr %v, i64 %vo\n" + _scale("vs", "%vrow", dim)
     for c in range(chunks):
         text += (f"  %vo{c} = add i64 %vo, {c * 16}\n  %vp{c} = getelementptr {scalar}, ptr %v, i64 %vo{c}\n"
-                 + _load(f"vf{c}", f"%vp{c}", itemsize))
+                 + _load(f"vf{c}", f"%vp{c}", itemsize, "%vs"))
     for r in range(rows):
         text += (f"  %wr{r} = mul i64 %width, {r}\n  %wo{r} = add i64 %wr{r}, %j\n"
                  f"  %wp{r} = getelementptr float, ptr %w, i64 %wo{r}\n  %ws{r} = load float, ptr %wp{r}, align 4\n"
@@ -132,12 +213,14 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
     """The addresses of @scores and @values_1..GROUP for head size `dim`, compiled for this CPU: row 0 for float32
-    caches, row 1 for float16 ones, [2, 1 + GROUP]."""
+    caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 row 2 for q8 ones."""
     if dim % 16:
         raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
-    sizes = (4, 2)
-    source = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
-        scores_ir(dim, size) + "".join(values_ir(dim, rows, size) for rows in range(1, GROUP + 1)) for size in sizes)
+    sizes = (4, 2, 1) if dim % 64 == 0 else (4, 2)  # q8 caches: head sizes that are a multiple of 64
+    source = (f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n"
+              "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n" + "".join(
+                  (scores_ir(dim, size) if size > 1 else scores_q8_ir(dim))
+                  + "".join(values_ir(dim, rows, size) for rows in range(1, GROUP + 1)) for size in sizes))
     names = [f"{kind}{size}{suffix}" for size in sizes
              for kind, suffix in [("scores", "")] + [("values", f"_{rows}") for rows in range(1, GROUP + 1)]]
     return compile_ir(source, names).reshape(len(sizes), 1 + GROUP)

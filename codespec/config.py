@@ -18,7 +18,7 @@ FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers fo
 WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py);
 # auto: those where they can run (a GGUF's Llama/Qwen2 model on a CPU in float32 on the lean forward), else checkpoint
 PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of prompt chunks (forward.LeanLlama)
-CACHE_TYPES = ("auto", "f32", "f16")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's
+CACHE_TYPES = ("auto", "f32", "f16", "q8")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's
 # dtype; auto: f16 where the CPU attention kernel reads it (float32 on CPUs, lean forward), else f32
 ACTIVATIONS_CHOICES = ("auto", "float32", "q8")  # what a GGUF's blocks multiply (q8.py): q8 rounds the inputs to 8 bits
 # per block of 32, as llama.cpp does, and sums in exact integers (VNNI); auto: q8 where the CPU has AVX512-VNNI
@@ -141,7 +141,8 @@ class ModelConfig:
     prompt_precision: str = "auto"  # prompt chunks' projections on a float32 CPU: bfloat16 inputs and weights with
     # float32 sums (2x the float32 matmul on CPUs with AVX512-BF16); auto: bfloat16 where it measures that much faster
     cache_type: str = "auto"  # f16: keys and values kept as float16, as llama.cpp does by default: half the bytes
-    # (memory, and what attention reads per token), the text that of float16 keys and values; auto: f16 where it runs
+    # (memory, and what attention reads per token), the text that of float16 keys and values; auto: f16 where it runs;
+    # q8: each key and value rounded to 8-bit integers with one scale (llama.cpp's q8_0 cache): 34% of f32's bytes
     activations: str = "auto"  # see ACTIVATIONS_CHOICES (with --weights gguf, and auto when it picks the blocks)
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 

@@ -244,9 +244,16 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
                   dim: int) -> None:
     """The sequence's attention in PyTorch (which also writes its new keys and values) into `attended`."""
     rows = torch.from_numpy(qkv[apart.first : apart.first + apart.count]).view(apart.count, -1, dim)
-    out = attention.attend_in_place(rows[:, :heads], rows[:, heads : heads + kv_heads], rows[:, heads + kv_heads :],
-                                    apart.cache.keys[layer], apart.cache.values[layer], apart.cache.length,
-                                    apart.mask, apart.wide)
+    q, k, v = rows[:, :heads], rows[:, heads : heads + kv_heads], rows[:, heads + kv_heads :]
+    keys, values, start, wide = apart.cache.keys[layer], apart.cache.values[layer], apart.cache.length, apart.wide
+    if keys.dtype == torch.int8:  # q8: written rounded, then the cache so far read as floats, as the kernel reads it
+        end = start + apart.count
+        attention.write_q8(keys.numpy(), values.numpy(), k.numpy(), v.numpy(), start)
+        size = kv_heads * end * dim
+        keys = attention.dequantized(keys[:, :end], True, wide[:size].view(kv_heads, end, dim))
+        values = attention.dequantized(values[:, :end], False, wide[size : 2 * size].view(kv_heads, end, dim))
+        k, v, wide = keys[:, start:].transpose(0, 1), values[:, start:].transpose(0, 1), None
+    out = attention.attend_in_place(q, k, v, keys, values, start, apart.mask, wide)
     attended[apart.first : apart.first + apart.count] = out.view(apart.count, heads, dim).numpy()
 
 

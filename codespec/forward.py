@@ -91,7 +91,8 @@ class StaticCache:
     Grows by doubling when a forward needs more room; `crop` only moves the length."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
-        self.shape = (layers, kv_heads, capacity, head_dim)
+        # q8 (int8): each key's or value's head_dim integers, then its float32 scale as 4 bytes
+        self.shape = (layers, kv_heads, capacity, head_dim + 4 if dtype == torch.int8 else head_dim)
         self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
         self.values = torch.zeros(self.shape, dtype=dtype, device=device)
         self.length = 0
@@ -265,8 +266,15 @@ class LeanLlama:
     def use_cache_type(self, cache_type: str) -> None:
         """The element type of caches made from now on (ModelConfig.cache_type). f16 (and auto, wherever the CPU
         attention kernel runs: float32 on CPUs): keys and values rounded to float16 as they are written, as
-        llama.cpp keeps them by default; half the memory, and half the bytes attention reads per row. f32: the
-        model's dtype."""
+        llama.cpp keeps them by default; half the memory, and half the bytes attention reads per row. q8: each
+        key and value (a head's 64 numbers) rounded to 8-bit integers with one float32 scale, as llama.cpp's
+        q8_0 cache types; a quarter of float16's bytes less again. f32: the model's dtype."""
+        if cache_type == "q8" and not (self.few_rows_kernel and self.q8 and self.head_dim % 64 == 0):
+            raise CodespecError("--cache-type q8 runs where every forward runs in numba: with --weights gguf and "
+                                "--activations q8 (a CPU with AVX512-VNNI), for head sizes that are a multiple of 64")
+        if cache_type == "q8":
+            self.cache_dtype = torch.int8
+            return
         if cache_type == "f16" and not self.few_rows_kernel:
             raise CodespecError("--cache-type f16 runs on CPUs in float32 (numba's OpenMP pool), with a head size "
                                 "that is a multiple of 16")
@@ -291,7 +299,8 @@ class LeanLlama:
             return
         angles = (target - source) * self.inv_freq.double()  # [half]
         turn = torch.polar(torch.ones_like(angles), angles).to(self.device)  # e^(i shift theta)
-        if self.few_rows_kernel and (into is not cache or target < source):  # on CPUs: numba, in place
+        if self.few_rows_kernel and (into is not cache or target < source or cache.keys.dtype == torch.int8):
+            # on CPUs: numba, in place
             attention.move_cached(cache.keys, cache.values, source, target, count, turn, (into.keys, into.values))
             return
         for layer in range(cache.shape[0]):  # elsewhere (GPUs, other dtypes) PyTorch, a layer at a time
@@ -360,7 +369,7 @@ class LeanLlama:
         keep = [i for row_end, r in zip(itertools.accumulate(counts), rows) for i in range(row_end - r.keep, row_end)]
         wide = None  # a float16 cache read by PyTorch's attention widens into this buffer, kept between forwards
         apart_ends = [end for end, kernel in zip(ends, few) if not kernel]
-        if self.cache_dtype != self.dtype and apart_ends:
+        if self.cache_dtype != self.dtype and apart_ends:  # (q8: the dequantized keys and values)
             needed = 2 * self.kv_heads * max(apart_ends) * self.head_dim
             if self._wide.numel() < needed:
                 self._wide = torch.empty(max(needed, 2 * self._wide.numel()), dtype=self.dtype, device=self.device)
@@ -555,8 +564,9 @@ def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_p
     why = LeanLlama.supports(model) if lean else "--forward transformers"
     if gguf is not None:
         raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
-    if cache_type == "f16":
-        raise CodespecError(f"--cache-type f16 runs on the lean forward (Llama and Qwen2 models), not here: {why}")
+    if cache_type in ("f16", "q8"):
+        raise CodespecError(f"--cache-type {cache_type} runs on the lean forward (Llama and Qwen2 models), not here: "
+                            f"{why}")
     if activations == "q8":
         raise CodespecError(f"--activations q8 runs on the lean forward with --weights gguf, not here: {why}")
     return TransformersForward(model)

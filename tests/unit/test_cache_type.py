@@ -92,7 +92,7 @@ def test_the_flag_reaches_the_model_config_and_other_forwards_refuse_it():
     model_config, _, _ = settings_from_args(build_parser().parse_args(["generate", "--cache-type", "f16", "x"]))
     assert model_config.cache_type == "f16"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["generate", "--cache-type", "q8", "x"])
+        build_parser().parse_args(["generate", "--cache-type", "q4", "x"])
     with pytest.raises(ValueError, match="unknown cache type"):
         ModelConfig(cache_type="bf16").validate()
     with pytest.raises(CodespecError, match="lean forward"):
