@@ -1,7 +1,8 @@
 """How often codespec's rounding changes greedy output: long prompts multiplied in bfloat16 (--prompt-precision),
 keys and values kept in float16 (--cache-type) and activations rounded to 8 bits (--activations q8), each alone,
-and the default (on CPUs with AVX512-VNNI: q8 activations and a float16 cache), against float32 throughout, on every
-bench workload's first turn, with plain greedy decoding.
+the default (on CPUs with AVX512-VNNI: q8 activations and a float16 cache) and the default with a q8 cache
+(--cache-type q8), against float32 throughout (and the q8 cache against the default), on every bench workload's
+first turn, with plain greedy decoding.
 
     python -m codespec.bench.precision [--max-tokens 256] [--out FILE]
 
@@ -21,7 +22,8 @@ from .workloads import EDITS, FREE_FORM, PROSE, all_workloads
 EXACT = ("float32", "f32", "float32")
 DEFAULT = (ModelConfig.prompt_precision, ModelConfig.cache_type, ModelConfig.activations)
 VARIANTS = {"bfloat16 prompts": ("bfloat16", "f32", "float32"), "float16 cache": ("float32", "f16", "float32"),
-            "q8 activations": ("float32", "f32", "q8"), "default": DEFAULT}  # (prompt precision, cache, activations)
+            "q8 activations": ("float32", "f32", "q8"), "default": DEFAULT,
+            "q8 cache": (DEFAULT[0], "q8", "q8")}  # (prompt precision, cache, activations); q8 cache: with q8 activations
 
 
 def use(engine: Engine, setting: tuple[str, str, str]) -> None:
@@ -52,10 +54,14 @@ def compare(engine: Engine, max_tokens: int) -> list[dict]:
             exact, seconds = run(engine, prompt, params, EXACT)
             row = {"workload": workload.name, "prompt_tokens": len(prompt), "tokens": len(exact),
                    "prefill_seconds": {"float32": round(seconds, 3)}, "first_difference": {}}
+            outputs = {}
             for name, setting in VARIANTS.items():
                 tokens, seconds = run(engine, prompt, params, setting)
+                outputs[name] = tokens
                 row["first_difference"][name] = first_difference(exact, tokens)
                 row["prefill_seconds"][name] = round(seconds, 3)
+            # the q8 cache against the default's float16 one (both with q8 activations)
+            row["q8_cache_vs_default"] = first_difference(outputs["default"], outputs["q8 cache"])
             rows.append(row)
     finally:
         use(engine, DEFAULT)
@@ -78,6 +84,7 @@ def main(argv=None) -> None:
         print(f"{row['workload']:34} {row['prompt_tokens']:6}" + "".join(f" {c:>17}" for c in cells)
               + "".join(f" {row['prefill_seconds'][name]:11.3f}" for name in ["float32", *VARIANTS]))
     identical = {name: sum(row["first_difference"][name] is None for row in rows) for name in VARIANTS}
+    identical["q8 cache vs default"] = sum(row["q8_cache_vs_default"] is None for row in rows)
     for name, count in identical.items():
         print(f"identical greedy output, {name}: {count} of {len(rows)} workloads")
     if args.out:

@@ -153,6 +153,24 @@ def test_shared_pool_across_sessions_on_the_default_model(default_engine):
     assert [d.name for d in result.stats.drafters] == ["prompt-lookup", "ngram-mod", "draft"]
 
 
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_identity_with_a_q8_cache(default_engine, name):
+    """--cache-type q8 (keys and values in 8 bits, scored against queries rounded alike): speculative greedy output
+    equals plain greedy output, with drafts short and long."""
+    text, chat = PROMPTS[name]
+    prompt = default_engine.encode(text, chat=chat)
+    params = SamplingParams(max_tokens=64)
+    default_engine.path.use_cache_type("q8")
+    try:
+        assert default_engine.path.new_cache().keys.dtype == torch.int8
+        plain = default_engine.generate(prompt, params, spec=NONE)
+        assert len(plain.tokens) > 10
+        for spec in (LOOKUP, LOOKUP_LONG):
+            assert default_engine.generate(prompt, params, spec=spec).tokens == plain.tokens
+    finally:
+        default_engine.path.use_cache_type(ModelConfig.cache_type)
+
+
 def test_a_batched_run_is_token_identical_to_each_request_alone(default_engine):
     """Four requests decoded together by the scheduler (one forward for all of their rows) in float32."""
     from codespec.scheduler import Scheduler
