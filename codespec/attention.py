@@ -56,12 +56,18 @@ def _pointer(typingctx, address):
     return types.voidptr(types.int64), codegen
 
 
-@intrinsic
-def _float_bits(typingctx, bits):
-    """The float32 whose bits are `bits` (uint32)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-    return types.float32(types.uint32), codegen
+def _bitcast(source, target):
+    """An intrinsic that reads a `source` value's bits as a `target` (numba types of one size)."""
+    @intrinsic
+    def bitcast(typingctx, value):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(target))
+        return target(source), codegen
+    return bitcast
+
+
+_float_bits = _bitcast(types.uint32, types.float32)  # the float32 whose bits are a uint32
+_bits = _bitcast(types.float32, types.int32)  # a float32's bits, as an int32
 
 
 @numba.njit(inline="always", fastmath=True, cache=True)
@@ -97,14 +103,6 @@ def _to_half(typingctx, value):
     def codegen(context, builder, signature, args):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
     return types.uint16(types.float32), codegen
-
-
-@intrinsic
-def _bits(typingctx, value):
-    """The bits of a float32, as an int32."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.int32))
-    return types.int32(types.float32), codegen
 
 
 @numba.njit(inline="always", cache=True, boundscheck=False)

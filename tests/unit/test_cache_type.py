@@ -14,6 +14,29 @@ from tests.tiny import EOS, tiny_arch_model
 from tests.unit.test_quantized import write_gguf
 
 
+def attend_once(cache: StaticCache, heads: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`count` new rows (random queries, keys and values) attend to `cache` (one layer) in the kernel: their qk,
+    values and attention [count, heads, dim]."""
+    kv_heads, dim = cache.shape[1], cache.shape[3] - (4 if cache.keys.dtype == torch.int8 else 0)
+    qk = torch.randn(count, heads + kv_heads, dim) / dim ** 0.5
+    new_values = torch.randn(count, kv_heads, dim)
+    out = torch.empty(count, heads, dim)
+    table = attention.make_table([Rows(cache, [0] * count, count)], [0], heads)
+    torch.ops.codespec.cached_attention(qk, new_values, out, table, 0, heads, kv_heads, heads * count,
+                                        attention.padded_width(cache.length + count))
+    return qk, new_values, out
+
+
+def causal(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """PyTorch's attention of queries [count, heads, dim] at positions start.. to keys and values [kv_heads, end,
+    dim]: [count, heads, dim]."""
+    count, end = queries.shape[0], keys.shape[1]
+    mask = torch.zeros(count, end)
+    mask[:, start:] = torch.full((count, count), float("-inf")).triu(1)
+    return F.scaled_dot_product_attention(queries.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                          scale=1.0, enable_gqa=True)[0].transpose(0, 1)
+
+
 def test_the_kernel_rounds_new_keys_to_float16_and_attends_to_the_widened_cache():
     torch.manual_seed(2)
     heads, kv_heads, dim = 9, 3, 64
@@ -22,21 +45,11 @@ def test_the_kernel_rounds_new_keys_to_float16_and_attends_to_the_widened_cache(
         cache.keys.normal_()
         cache.values.normal_()
         cache.length = start
-        qk = torch.randn(count, heads + kv_heads, dim) / dim ** 0.5
-        new_values = torch.randn(count, kv_heads, dim)
-        out = torch.empty(count, heads, dim)
-        table = attention.make_table([Rows(cache, [0] * count, count)], [0], heads)
-        torch.ops.codespec.cached_attention(qk, new_values, out, table, 0, heads, kv_heads, heads * count,
-                                            attention.padded_width(start + count))
+        qk, new_values, out = attend_once(cache, heads, count)
         end = start + count
         assert torch.equal(cache.keys[0, :, start:end], qk[:, heads:].transpose(0, 1).half())  # rounded as .half()
         assert torch.equal(cache.values[0, :, start:end], new_values.transpose(0, 1).half())
-        mask = torch.zeros(count, end)
-        mask[:, start:] = torch.full((count, count), float("-inf")).triu(1)
-        expected = F.scaled_dot_product_attention(qk[:, :heads].transpose(0, 1)[None],
-                                                  cache.keys[0, :, :end].float()[None],
-                                                  cache.values[0, :, :end].float()[None], attn_mask=mask, scale=1.0,
-                                                  enable_gqa=True)[0].transpose(0, 1)
+        expected = causal(qk[:, :heads], cache.keys[0, :, :end].float(), cache.values[0, :, :end].float(), start)
         assert (out - expected).abs().max().item() < 1e-5
 
 
@@ -58,19 +71,28 @@ def test_with_a_float16_cache_a_verify_forward_equals_one_token_forwards_bit_for
     assert torch.equal(lean.batch([Rows(other, [3, 4, 5], 3), Rows(verify, draft[:3], 3)])[1], alone[:3])
 
 
-def test_speculative_and_plain_greedy_agree_and_differ_from_a_float32_cache_only_by_rounding(tmp_path, tokenizer):
-    model = tiny_arch_model("llama", dtype=torch.float32)
-    path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
+def greedy_agrees(model, tokenizer, gguf, cache_types: tuple[str, ...], activations: str,
+                  draft_max: int = 16) -> dict[str, torch.Tensor]:
+    """For each cache type, speculative greedy output equals plain greedy output (asserted, with drafts accepted);
+    returns each cache type's logits for the prompt, to compare their rounding."""
     prompt = list(range(10, 40)) * 3
     params = SamplingParams(max_tokens=40)
     logits = {}
-    for cache_type in ("f16", "f32"):
-        engine = Engine(model, tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}), gguf=path,
-                        cache_type=cache_type, activations="float32")  # the cache's rounding alone (q8's: test_q8)
+    for cache_type in cache_types:
+        engine = Engine(model, tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}), gguf=gguf,
+                        cache_type=cache_type, activations=activations)
         plain = engine.generate(prompt, params, spec=SpecConfig(spec=("none",)))
-        spec = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",)))
+        spec = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",), draft_max=draft_max))
         assert spec.tokens == plain.tokens and spec.stats.accepted_tokens > 0
         logits[cache_type] = engine.path(engine.path.new_cache(), prompt, 1)
+    return logits
+
+
+def test_speculative_and_plain_greedy_agree_and_differ_from_a_float32_cache_only_by_rounding(tmp_path, tokenizer):
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
+    # the cache's rounding alone (q8 activations': test_q8)
+    logits = greedy_agrees(model, tokenizer, path, ("f16", "f32"), activations="float32")
     difference = (logits["f16"] - logits["f32"]).abs().max().item()
     assert 0 < difference < 1e-2 * logits["f32"].abs().max().item()
 

@@ -3,16 +3,14 @@ llama.cpp's q8_0 cache types; attention.py scores them against queries rounded a
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
 from codespec import attention
 from codespec.cli import build_parser, settings_from_args
-from codespec.config import SamplingParams, SpecConfig
-from codespec.engine import Engine
 from codespec.errors import CodespecError
 from codespec.forward import Rows, StaticCache, forward_path
-from tests.tiny import EOS, VOCAB, tiny_arch_model, tiny_config
+from tests.tiny import VOCAB, tiny_arch_model, tiny_config
+from tests.unit.test_cache_type import attend_once, causal, greedy_agrees
 from tests.unit.test_quantized import write_gguf
 
 
@@ -41,12 +39,7 @@ def test_keys_values_and_queries_are_rounded_to_8_bits_and_scored_in_exact_integ
         old_keys, old_values = torch.randn(start, kv_heads, dim), torch.randn(start, kv_heads, dim)
         attention.write_q8(cache.keys[0].numpy(), cache.values[0].numpy(), old_keys.numpy(), old_values.numpy(), 0)
         cache.length = start
-        qk = torch.randn(count, heads + kv_heads, dim) / dim ** 0.5
-        new_values = torch.randn(count, kv_heads, dim)
-        out = torch.empty(count, heads, dim)
-        table = attention.make_table([Rows(cache, [0] * count, count)], [0], heads)
-        torch.ops.codespec.cached_attention(qk, new_values, out, table, 0, heads, kv_heads, heads * count,
-                                            attention.padded_width(start + count))
+        qk, new_values, out = attend_once(cache, heads, count)
         end = start + count
         written = StaticCache(1, kv_heads, dim, 1024, torch.int8, "cpu")  # the prompt path's writes: the same bytes
         attention.write_q8(written.keys[0].numpy(), written.values[0].numpy(), qk[:, heads:].contiguous().numpy(),
@@ -59,10 +52,7 @@ def test_keys_values_and_queries_are_rounded_to_8_bits_and_scored_in_exact_integ
         assert torch.equal(keys[:, start:], integers * scales)  # stored plus 128, read back exactly
         assert (keys[:, start:] - qk[:, heads:].transpose(0, 1)).abs().le(scales / 2 + 1e-7).all()  # half a step
         integers, scales = rounded(qk[:, :heads])
-        mask = torch.zeros(count, end)
-        mask[:, start:] = torch.full((count, count), float("-inf")).triu(1)
-        expected = F.scaled_dot_product_attention((integers * scales).transpose(0, 1)[None], keys[None], values[None],
-                                                  attn_mask=mask, scale=1.0, enable_gqa=True)[0].transpose(0, 1)
+        expected = causal(integers * scales, keys, values, start)
         assert (out - expected).abs().max().item() < 1e-5
 
 
@@ -87,16 +77,7 @@ def test_with_a_q8_cache_a_verify_forward_equals_one_token_forwards_bit_for_bit(
 def test_speculative_and_plain_greedy_agree_and_differ_from_a_float16_cache_by_rounding(tmp_path, tokenizer):
     model = q8_model(1)
     path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
-    prompt = list(range(10, 40)) * 3
-    params = SamplingParams(max_tokens=40)
-    logits = {}
-    for cache_type in ("q8", "f16"):
-        engine = Engine(model, tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}), gguf=path,
-                        cache_type=cache_type, activations="q8")
-        plain = engine.generate(prompt, params, spec=SpecConfig(spec=("none",)))
-        spec = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",), draft_max=24))
-        assert spec.tokens == plain.tokens and spec.stats.accepted_tokens > 0
-        logits[cache_type] = engine.path(engine.path.new_cache(), prompt, 1)
+    logits = greedy_agrees(model, tokenizer, path, ("q8", "f16"), activations="q8", draft_max=24)
     difference = (logits["q8"] - logits["f16"]).abs().max().item()
     assert 0 < difference < 0.1 * logits["f16"].abs().max().item()
 
