@@ -19,7 +19,9 @@ row's result is computed alone, in float32, by the same instructions whatever el
 key by key, its softmax over the keys up to its own position, its weighted sum in position order. So a request
 gets the same bits alone or in any batch, and a verify forward the same as one-token forwards; it matches
 PyTorch's attention to float rounding (differences ≤ 1e-5). Caches of float16 (--cache-type f16, the default on
-CPUs) get their new keys and values rounded as they are written and are widened as they are read.
+CPUs) get their new keys and values rounded as they are written and are widened as they are read. q8 caches
+(--cache-type q8) hold each key and value as 8-bit integers and a float32 scale; the query rows are rounded alike
+and scored in exact integer sums (attention_ir.scores_q8_ir).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from .attention_ir import GROUP
 FEW_ROWS = 16  # sequences with at most this many rows in a forward come here (measured, 30 layers at 1,000 and
 # 2,600 cached tokens: up to 16 rows the kernel beats PyTorch's attention; at 32 and 64 rows it does not)
 COLUMNS = 8  # the table: key address, value address, capacity, first row, start, count, first score row, bytes
-# per cache element (4: float32, 2: float16, --cache-type f16)
+# per cache element (4: float32, 2: float16, --cache-type f16, 1: q8, whose rows hold dim integers and a scale)
 
 
 @intrinsic
@@ -115,8 +117,9 @@ def _store_bits(row, at, bits):
 @numba.njit(inline="always", cache=True, boundscheck=False)
 def _quantize(x, row, key):
     """x (float32 [dim]) into a q8 row (int8 [dim + 4] or more): x rounded to integers (x * 127 / its largest
-    magnitude, half to even) times one scale (that magnitude * float32(1 / 127)), then the scale's float32 bytes. A key's integers are stored plus 128 (as
-    unsigned bytes, which vpdpbusd takes: attention_ir.scores_q8_ir). Returns the sum of the integers."""
+    magnitude, half to even) times one scale (that magnitude * float32(1 / 127)), then the scale's float32 bytes.
+    A key's integers are stored plus 128 (as unsigned bytes, which vpdpbusd takes: attention_ir.scores_q8_ir).
+    Returns the sum of the integers."""
     dim = x.shape[0]
     top = np.float32(0.0)
     for d in range(dim):
@@ -136,8 +139,9 @@ def _quantize(x, row, key):
 @numba.njit(cache=True, boundscheck=False)
 def _write(keys_at, values_at, itemsize, new_keys, new_values, start, dim):
     """New keys and values [count, dim] into a cache head's rows start.. (addresses keys_at, values_at), rounded to
-    float16 when its elements are 2 bytes (numba has no float16: as their bits), to q8 rows when 1 byte. A call of its own: inlined into
-    the parallel loop, numba's dead-code pass drops these stores (the arrays are not read there after)."""
+    float16 when its elements are 2 bytes (numba has no float16: as their bits), to q8 rows when 1 byte. A call of
+    its own: inlined into the parallel loop, numba's dead-code pass drops these stores (the arrays are not read
+    there after)."""
     count = new_keys.shape[0]
     if itemsize == 1:
         keys = numba.carray(_pointer(keys_at), (start + count, dim + 4), np.int8)
@@ -343,8 +347,8 @@ def _move_q8(keys, values, into_keys, into_values, source, target, count, turn):
             old = keys[layer, head, source + i]
             scale = np.float64(_scale_of(old, dim))
             for pair in range(half):  # the integers are stored plus 128
-                x, y = (np.int32(old[2 * pair]) ^ np.int32(-128)) * scale, (np.int32(old[2 * pair + 1]) ^
-                                                                            np.int32(-128)) * scale
+                x = (np.int32(old[2 * pair]) ^ np.int32(-128)) * scale
+                y = (np.int32(old[2 * pair + 1]) ^ np.int32(-128)) * scale
                 c, s = turn[pair, 0], turn[pair, 1]
                 turned[2 * pair] = np.float32(x * c - y * s)
                 turned[2 * pair + 1] = np.float32(x * s + y * c)
@@ -401,7 +405,7 @@ def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table
     kv_heads, dim], rotated) and values (v [rows, kv_heads, dim]) into the caches ([layers, kv_heads, capacity,
     dim] float32 each) and their attention into out [rows, heads, dim].
     `rows` score rows (heads x the sequences' rows) of `width` keys (padded_width of the longest sequence's) are
-    written between. Caches of float16 (--cache-type f16) have their new keys and values rounded."""
+    written between. Caches of float16 (--cache-type f16) have their new keys and values rounded, q8 ones quantised."""
     match_threads()
     scores, weights = _scratch(rows * width)
     scores, weights = scores[: rows * width].view(rows, width), weights[: rows * width].view(rows, width)

@@ -142,7 +142,7 @@ class ModelConfig:
     # float32 sums (2x the float32 matmul on CPUs with AVX512-BF16); auto: bfloat16 where it measures that much faster
     cache_type: str = "auto"  # f16: keys and values kept as float16, as llama.cpp does by default: half the bytes
     # (memory, and what attention reads per token), the text that of float16 keys and values; auto: f16 where it runs;
-    # q8: each key and value rounded to 8-bit integers with one scale (llama.cpp's q8_0 cache): 34% of f32's bytes
+    # q8: each key and value rounded to 8-bit integers with one scale (llama.cpp's q8_0 cache): 53% of f16's bytes
     activations: str = "auto"  # see ACTIVATIONS_CHOICES (with --weights gguf, and auto when it picks the blocks)
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
