@@ -222,8 +222,9 @@ def allocate(costs: CostModel, proposals: list[tuple[float, int, int | None]], r
     Returns the tokens each proposal verifies. Speculating never makes the batch slower than the same batch without
     drafts, and one proposal with rows = its pending tokens is exactly choose()."""
     known = keys is not None or all(p[2] is not None for p in proposals)
+    cached = [costs.context if p[2] is None else p[2] for p in proposals]  # each proposal's cache
     if known:
-        keys = keys if keys is not None else sum(p[2] for p in proposals)
+        keys = keys if keys is not None else sum(cached)
         row_keys = row_keys if row_keys is not None else rows * keys
 
     def seconds(extra: int, extra_keys: int) -> float:
@@ -235,8 +236,7 @@ def allocate(costs: CostModel, proposals: list[tuple[float, int, int | None]], r
     slope = max(seconds(1, 0) - plain, 1e-9)
 
     def value(gain: tuple[float, int]) -> float:  # expected tokens per second of the row's own cost
-        cached = proposals[gain[1]][2]
-        return gain[0] / (slope + (costs.row_key_seconds * cached if known else 0.0) + draft_cost)
+        return gain[0] / (slope + (costs.row_key_seconds * cached[gain[1]] if known else 0.0) + draft_cost)
 
     gains = sorted(((alpha ** j, index) for index, (alpha, available, _) in enumerate(proposals)
                     for j in range(1, available + 1)), key=lambda gain: -value(gain))  # stable: a draft keeps its order
@@ -244,7 +244,7 @@ def allocate(costs: CostModel, proposals: list[tuple[float, int, int | None]], r
     expected, extra_keys = float(generating), 0
     for extra, (gain, index) in enumerate(gains, 1):
         expected += gain
-        extra_keys += proposals[index][2] if known else 0
+        extra_keys += cached[index]
         # more rows never cost less, whatever noise the learnt estimates picked up
         rate = expected / (max(seconds(extra, extra_keys), plain) + extra * draft_cost)
         if rate > best_rate:
