@@ -125,11 +125,12 @@ def _quantize(x, row, key):
     for d in range(dim):
         top = max(top, abs(x[d]))
     factor = np.float32(127.0) / top if top > 0 else np.float32(0.0)
+    offset = np.int32(-128) if key else np.int32(0)  # xor with the sign bit: plus 128, as an unsigned byte
     total = 0
     for d in range(dim):
         integer = np.int32(np.rint(x[d] * factor))
         total += integer
-        row[d] = np.int8(integer ^ np.int32(-128)) if key else np.int8(integer)
+        row[d] = np.int8(integer ^ offset)
     # a product, not top / 127: inlined by LLVM into a fast-math caller (the attention loop), a division by a constant
     # became a product by its reciprocal, and the kernel's scales differed in the last bit from a prompt chunk's
     _store_bits(row, dim, _bits(top * np.float32(1.0 / 127.0)))
@@ -380,22 +381,23 @@ def dequantized(rows: torch.Tensor, keys: bool, out: Optional[torch.Tensor] = No
 def move_cached(keys: torch.Tensor, values: torch.Tensor, source: int, target: int, count: int,
                 turn: torch.Tensor, into: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """forward.LeanLlama.move for CPU caches ([layers, kv_heads, capacity, dim] of float32, float64 or float16): one
-    pass, in place (or into another cache's keys and values: `into`), no temporaries (a layer at a time in PyTorch cost
-    25-160 ms for 2,500 positions, most of it allocation and per-operation overhead; this takes a few)."""
+    pass, in place (or into another cache's keys and values: `into`), no temporaries but the moved rows when they
+    move up within one cache (a layer at a time in PyTorch cost 25-160 ms for 2,500 positions, most of it allocation
+    and per-operation overhead; this takes a few). q8 caches (int8 rows of dim integers and a scale) too."""
     match_threads()
     into_keys, into_values = into if into is not None else (keys, values)
+    if into_keys.data_ptr() == keys.data_ptr() and target > source:  # moving up within one cache: a copy first,
+        # else a write would reach rows not read yet
+        keys, values = (t[:, :, source : source + count].clone() for t in (keys, values))
+        source = 0
+    turn = torch.view_as_real(turn).contiguous().numpy()
     if keys.dtype == torch.int8:  # q8
-        if into_keys.data_ptr() == keys.data_ptr() and target > source:  # a copy first: moving up within one
-            # cache, a write would reach rows not read yet
-            keys, values = (t[:, :, source : source + count].clone() for t in (keys, values))
-            source = 0
-        _move_q8(keys.numpy(), values.numpy(), into_keys.numpy(), into_values.numpy(), source, target, count,
-                 torch.view_as_real(turn).contiguous().numpy())
+        _move_q8(keys.numpy(), values.numpy(), into_keys.numpy(), into_values.numpy(), source, target, count, turn)
         return
     half = keys.dtype == torch.float16  # numba has no float16: as their bits
     arrays = [t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
               for t in (keys, values, into_keys, into_values)]
-    _move(*arrays, source, target, count, torch.view_as_real(turn).contiguous().numpy())
+    _move(*arrays, source, target, count, turn)
 
 
 def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor, layer: int,

@@ -55,16 +55,22 @@ def verify_lengths(costs: CostModel, proposals: list[Propose], rows: list[Rows])
     anyway (every pending token, prefill chunks)."""
     base = sum(len(r.ids) for r in rows) + sum(p.pending for p in proposals)
     generating = sum(r.generating for r in rows) + len(proposals)
-    keys = sum(r.cache.length for r in rows) + sum(p.keys for p in proposals)
-    row_keys = sum(len(r.ids) * r.cache.length for r in rows) + sum(p.pending * p.keys for p in proposals)
+    keys, row_keys = attended(rows)
+    keys += sum(p.keys for p in proposals)
+    row_keys += sum(p.pending * p.keys for p in proposals)
     return allocate(costs, [(p.alpha, p.available, p.keys) for p in proposals], base, generating,
                     sequences=len(rows) + len(proposals), keys=keys, row_keys=row_keys)
 
 
+def attended(rows: list[Rows]) -> tuple[int, int]:
+    """The cached tokens the rows' sequences attend to (what a forward's attention costs: adaptive.CostModel): their
+    sum, and their sum weighted by each sequence's rows."""
+    return sum(r.cache.length for r in rows), sum(len(r.ids) * r.cache.length for r in rows)
+
+
 def forward_batch(path, rows: list[Rows], costs: CostModel | None = None) -> list:
     """One forward over every sequence's rows; each learns how long it took, and so do the measured costs."""
-    keys = sum(r.cache.length for r in rows)
-    row_keys = sum(len(r.ids) * r.cache.length for r in rows)
+    keys, row_keys = attended(rows)
     started = time.perf_counter()
     logits = path.batch(rows)
     seconds = time.perf_counter() - started

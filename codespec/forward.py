@@ -299,8 +299,7 @@ class LeanLlama:
             return
         angles = (target - source) * self.inv_freq.double()  # [half]
         turn = torch.polar(torch.ones_like(angles), angles).to(self.device)  # e^(i shift theta)
-        if self.few_rows_kernel and (into is not cache or target < source or cache.keys.dtype == torch.int8):
-            # on CPUs: numba, in place
+        if self.few_rows_kernel:  # on CPUs: numba, in place
             attention.move_cached(cache.keys, cache.values, source, target, count, turn, (into.keys, into.values))
             return
         for layer in range(cache.shape[0]):  # elsewhere (GPUs, other dtypes) PyTorch, a layer at a time

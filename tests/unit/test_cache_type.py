@@ -97,16 +97,17 @@ def test_speculative_and_plain_greedy_agree_and_differ_from_a_float32_cache_only
     assert 0 < difference < 1e-2 * logits["f32"].abs().max().item()
 
 
-def test_the_cpu_kernel_moves_float16_keys_as_pytorch_does():
+@pytest.mark.parametrize("source, target, count", [(300, 7, 500), (100, 400, 300)])  # down, and up (a copy first)
+def test_the_cpu_kernel_moves_float16_keys_as_pytorch_does(source, target, count):
     """A cache-reuse move (llama-server's --cache-reuse) on a float16 cache: numba's, bit for bit as PyTorch's
     rotation in float64 rounded to float16."""
     path = forward_path(tiny_arch_model("llama", dtype=torch.float32), cache_type="f16")
     moved, reference = path.new_cache(), path.new_cache()
     moved.keys.normal_(), moved.values.normal_()
     reference.keys.copy_(moved.keys), reference.values.copy_(moved.values)
-    path.move(moved, 300, 7, 500)
+    path.move(moved, source, target, count)
     path.few_rows_kernel = False
-    path.move(reference, 300, 7, 500)
+    path.move(reference, source, target, count)
     assert torch.equal(moved.keys, reference.keys) and torch.equal(moved.values, reference.values)
 
 
