@@ -52,7 +52,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"{DEFAULT_MODEL} (default, embedded), a transformers directory, "
                                         "a .gguf file, or a hub id")
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", help="auto (default: float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16")
+    parser.add_argument("--dtype", help="auto (default: float32 on cpu, and on cuda for models up to 1.5B "
+                        "parameters, else bfloat16), float32, bfloat16, float16")
     parser.add_argument("--forward", choices=FORWARD_CHOICES,
                         help="lean (default: own Llama forward, static KV cache) or transformers")
     parser.add_argument("--weights", choices=WEIGHTS_CHOICES,

@@ -14,7 +14,8 @@ DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the
 SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft",
                 "edit-align")
 MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the draftless ones are cheaper
-FORWARD_CHOICES = ("lean", "transformers")  # lean falls back to transformers for non-Llama models
+FORWARD_CHOICES = ("lean", "graphs", "transformers")  # lean falls back to transformers for non-Llama models, and
+# runs graph-safe (graphs.py: fixed shapes, CUDA graphs) on GPUs; graphs: that forward on any device (CPUs: tests)
 WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py);
 # auto: those where they can run (a GGUF's Llama/Qwen2 model on a CPU in float32 on the lean forward), else checkpoint
 PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of prompt chunks (forward.LeanLlama)
@@ -133,8 +134,9 @@ class SpecConfig:
 class ModelConfig:
     model: str = DEFAULT_MODEL  # "smollm2", a transformers directory, a .gguf file, or a hub id
     device: str = "auto"  # auto = cuda when available, else cpu
-    dtype: str = "auto"  # auto = float32 on cpu (exact), bfloat16 on cuda
-    forward: str = "lean"  # lean: own Llama forward with a static KV cache; transformers: the model's own
+    dtype: str = "auto"  # auto = float32 on cpu, and on cuda up to 1.5B parameters (launch-bound), else bfloat16
+    forward: str = "lean"  # lean: own Llama forward with a static KV cache (graph-safe on GPUs); graphs: the
+    # graph-safe one anywhere; transformers: the model's own
     weights: str = "auto"  # checkpoint: the converted model's (bfloat16 values); gguf: the GGUF's own blocks,
     # which measured faster at every k up to 16 on these CPUs (README, "The GGUF's own blocks");
     # auto: gguf where it runs

@@ -148,7 +148,9 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
         raise
     if constraint is not None:
         constraint.mask(logits, drafted)
-    accepted, next_token = sampler.verify(logits, drafted, probs)
+    # the path's own argmax (rows.targets) unless a constraint changed the logits
+    targets = rows.targets if constraint is None else None
+    accepted, next_token = sampler.verify(logits, drafted, probs, targets)
     if adaptive is not None and proposal:
         adaptive.observe(drafter, proposal, verify, accepted, next_token)
 

@@ -105,10 +105,16 @@ class Engine:
     def __post_init__(self):
         self.spec.validate()
         # the target forward, all sessions
-        self.path = forward_path(self.model, lean=self.forward == "lean", gguf=self.gguf,
+        self.path = forward_path(self.model, lean=self.forward in ("lean", "graphs"), gguf=self.gguf,
+                                 graphs=True if self.forward == "graphs" else None,
                                  prompt_precision=self.prompt_precision, cache_type=self.cache_type,
                                  activations=self.activations)
         check_forward(self.path, self.model)
+        if self.model.device.type == "cuda" and self.session_memory == SESSION_MEMORY:
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(self.model.device)  # after the weights and the first cache
+            self.session_memory = int(0.8 * free)  # named sessions' caches may take most of the GPU's free memory
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
         self.model_drafting = ModelDrafting()  # what draft models cost here and how they did, across sessions

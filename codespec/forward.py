@@ -56,6 +56,7 @@ class Rows:
     generating: bool = False  # the forward yields a token for it (not a prefill chunk)
     prompt: bool = False  # a chunk of a prompt: its projections may run in bfloat16 (LeanLlama.prompt_weights)
     seconds: float = 0.0  # how long the forward it was part of took, once it ran
+    targets: Optional[list[int]] = None  # the argmax of each kept row, where the path took it (graphs.py)
 
 
 class Linear:
@@ -555,9 +556,20 @@ class TransformersForward:
 
 
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",
-                 cache_type: str = "auto", activations: str = "auto"):
+                 cache_type: str = "auto", activations: str = "auto", graphs: Optional[bool] = None):
     """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
-    run the lean path on that file's own blocks (--weights gguf), which only it can; so with --cache-type f16."""
+    run the lean path on that file's own blocks (--weights gguf), which only it can; so with --cache-type f16.
+    graphs: the lean path's weights in the graph-safe forward (graphs.py); None: on GPUs."""
+    graphs = model.device.type == "cuda" if graphs is None else graphs
+    if lean and LeanLlama.supports(model) is None and graphs:
+        if gguf is not None or cache_type in ("f16", "q8") or activations == "q8":
+            raise CodespecError("the graph-safe forward (the lean forward on GPUs) keeps the cache in the model's "
+                                "dtype and multiplies the checkpoint's weights: leave out --weights gguf, "
+                                "--cache-type and --activations")
+        from .graphs import GraphLlama
+
+        context = int(getattr(model.config, "max_position_embeddings", 2048))
+        return GraphLlama(LeanLlama(model, cache_type="f32", prompt_precision="float32"), context)
     if lean and LeanLlama.supports(model) is None:
         return LeanLlama(model, gguf, prompt_precision, cache_type, activations)
     why = LeanLlama.supports(model) if lean else "--forward transformers"

@@ -279,11 +279,17 @@ def resolve_device(name: str) -> str:
     return str(device)
 
 
-def resolve_dtype(name: str, device: str):
+SMALL_MODEL = 1_500_000_000  # parameters: --dtype auto keeps such a model in float32 on a GPU
+
+
+def resolve_dtype(name: str, device: str, parameters: int = 0):
+    """--dtype: auto is float32 on CPUs, and on GPUs for models of up to SMALL_MODEL parameters: their forwards
+    are bound by kernel launches, not by reading weights, so float32 costs little there and keeps greedy text that
+    of the full-precision model. Larger models on GPUs: bfloat16 (logits still float32: graphs.py)."""
     import torch
 
     if name == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
+        return torch.float32 if device == "cpu" or parameters <= SMALL_MODEL else torch.bfloat16
     if name not in DTYPES:
         raise CodespecError(f"unknown dtype {name!r}; choose from auto, {', '.join(sorted(set(DTYPES)))}")
     return getattr(torch, DTYPES[name])
@@ -295,9 +301,13 @@ def load(config: ModelConfig, show_progress: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
     kind, _ = model_source(config.model)
     location = str(pull(config.model, show_progress=show_progress))
+    dtype = resolve_dtype(config.dtype, device, parameter_count(location) if device != "cpu" else 0)
+    if device.startswith("cuda"):  # TF32 would round float32 products to 10 bits of mantissa
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
     options = dict(dtype=dtype, **config.extra)
     if kind == "hub" and not hub_reachable():
         options["local_files_only"] = True  # only a copy already in the hub cache can work
@@ -312,6 +322,23 @@ def load(config: ModelConfig, show_progress: bool = True):
     model.to(device).eval()
     torch.set_grad_enabled(False)
     return model, tokenizer
+
+
+def parameter_count(location: str) -> int:
+    """About how many parameters the model at `location` has, from its config (0 when it cannot be read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(location)
+        config = getattr(config, "text_config", None) or config
+        hidden, layers = config.hidden_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+        return config.vocab_size * hidden + layers * (attention + 3 * hidden * config.intermediate_size)
+    except Exception:  # an architecture whose config names these otherwise: the bfloat16 side
+        return SMALL_MODEL + 1
 
 
 def load_problem(model: str, kind: str, location: Path, exc: Exception) -> str | None:

@@ -37,23 +37,38 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        self.generators = {"cpu": self.generator}  # one per device the logits come from, seeded from the first
+
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        """The session's generator on the logits' device, so that sampling happens where the logits are (on a
+        GPU: no copy of [k+1, vocab] probabilities to the host), and a seed repeats there."""
+        key = str(device)
+        if key not in self.generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.generator.initial_seed())
+            self.generators[key] = generator
+        return self.generators[key]
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature == 0.0
 
-    def verify(self, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None = None):
+    def verify(self, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None = None,
+               targets: list[int] | None = None):
+        """targets: the argmax of each row when the forward took it already (graphs.py: no wait for the device)."""
         if self.greedy:
-            return verify_greedy(logits, draft)
-        probs = warp(logits, self.params).cpu()
+            return verify_greedy(logits, draft, targets)
+        probs = warp(logits, self.params)
+        generator = self.generator_for(probs.device)
         if draft_probs is None:
-            return verify_sampled_exact(probs, draft, self.generator)
-        return verify_rejection(probs, draft, draft_probs.float().cpu(), self.generator)
+            return verify_sampled_exact(probs, draft, generator)
+        return verify_rejection(probs, draft, draft_probs.float().to(probs.device), generator)
 
 
-def verify_greedy(logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+def verify_greedy(logits: torch.Tensor, draft: list[int], targets: list[int] | None = None) -> tuple[int, int]:
     """Accept the longest prefix of the draft that matches the target's argmax, then its own next token."""
-    targets = logits.argmax(-1).tolist()  # [k+1]
+    if targets is None:
+        targets = logits.argmax(-1).tolist()  # [k+1]
     accepted = 0
     while accepted < len(draft) and draft[accepted] == targets[accepted]:
         accepted += 1
@@ -81,11 +96,11 @@ def verify_rejection(probs: torch.Tensor, draft: list[int], draft_probs: torch.T
     probs: [k+1, vocab] target; draft_probs: [k, vocab] the distributions each draft token was drawn from.
     """
     k = len(draft)
-    index = torch.arange(k)
-    draft_ids = torch.tensor(draft, dtype=torch.long)
+    index = torch.arange(k, device=probs.device)
+    draft_ids = torch.tensor(draft, dtype=torch.long, device=probs.device)
     p_draft = probs[index, draft_ids]  # [k]
     q_draft = draft_probs[index, draft_ids]  # [k]
-    uniforms = torch.rand(k, generator=generator)
+    uniforms = torch.rand(k, generator=generator, device=probs.device)
     accept = uniforms * q_draft <= p_draft  # u < p/q without dividing by a zero q
     accepted = int(accept.int().cumprod(0).sum()) if k else 0
     if accepted < k:

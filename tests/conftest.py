@@ -4,7 +4,7 @@ import torch
 
 from codespec.config import SpecConfig
 from codespec.engine import Engine
-from tests.tiny import EOS, save_tiny, tiny_model, tiny_tokenizer
+from tests.tiny import DEVICE, EOS, save_tiny, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +15,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def model():
     torch.set_grad_enabled(False)
-    return tiny_model()
+    return tiny_model().to(DEVICE)  # float64; CODESPEC_TEST_DEVICE=cuda runs the tests that use it on a GPU
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import textwrap
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from codespec.drafters import Draft, Drafter
 
+# the device the device-aware tests run on: CODESPEC_TEST_DEVICE=cuda runs them on a GPU (the README's CUDA lane)
+DEVICE = os.environ.get("CODESPEC_TEST_DEVICE", "cpu")
 VOCAB = 384
 EOS = 0  # "<eos>" is the first special token the trainer adds
 

@@ -12,14 +12,14 @@ from codespec.sampling import Sampler
 from codespec.stats import GenerationStats
 from tests.conftest import random_prompt
 from tests.helpers import run_with_chain
-from tests.tiny import EOS, FixedContinuation
+from tests.tiny import DEVICE, EOS, FixedContinuation
 
 NONE = SpecConfig(spec=("none",))
 LOOKUP = SpecConfig(spec=("prompt-lookup",), draft_max=16, ngram_min=1, ngram_max=3)
 
 
 def hf_greedy(model, prompt, max_new_tokens, **options):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=EOS, pad_token_id=EOS, **options)
     return out[0, len(prompt):].tolist()
 
@@ -115,7 +115,7 @@ class WrongDrafter(Drafter):
         self.model = model
 
     def draft(self, history, max_tokens):
-        logits = self.model(torch.tensor([history.tolist()])).logits[0, -1]
+        logits = self.model(torch.tensor([history.tolist()], device=self.model.device)).logits[0, -1]
         return Draft([(int(logits.argmax()) + 1) % 384] * max_tokens)
 
 

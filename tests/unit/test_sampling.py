@@ -84,16 +84,16 @@ def test_speculative_sampling_matches_the_models_distribution(model, drafter):
     """The joint distribution of the first two sampled tokens equals the exact one from the model."""
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2, seed=99)
     prompt = [5, 17, 42, 17, 42, 17]
-    first = warp(model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+    first = warp(model(torch.tensor([prompt], device=model.device)).logits[0, -1:], params)[0]
     support1 = torch.nonzero(first).flatten().tolist()
     exact, outcomes = [], []
     for t1 in support1:
-        second = warp(model(torch.tensor([prompt + [t1]])).logits[0, -1:], params)[0]
+        second = warp(model(torch.tensor([prompt + [t1]], device=model.device)).logits[0, -1:], params)[0]
         for t2 in torch.nonzero(second).flatten().tolist():
             outcomes.append((t1, t2))
             exact.append(float(first[t1] * second[t2]))
     greedy1 = int(first.argmax())
-    greedy2 = int(warp(model(torch.tensor([prompt + [greedy1]])).logits[0, -1:], params)[0].argmax())
+    greedy2 = int(warp(model(torch.tensor([prompt + [greedy1]], device=model.device)).logits[0, -1:], params)[0].argmax())
 
     from codespec.session import Session
 

@@ -1,0 +1,120 @@
+"""The graph-safe forward (graphs.py): the lean forward's results with fixed shapes, greedy speculative output
+identical to plain decoding in float32 and bfloat16, padding that nothing sees, caches handed on. On the device
+CODESPEC_TEST_DEVICE names (cpu by default; cuda runs them with CUDA graphs)."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from codespec.config import SamplingParams, SpecConfig
+from codespec.engine import Engine
+from codespec.errors import CodespecError
+from codespec.forward import LeanLlama, Rows, forward_path
+from codespec.graphs import WIDTH, GraphLlama
+from tests.conftest import random_prompt
+from tests.tiny import DEVICE, EOS, tiny_arch_model, tiny_tokenizer
+
+NONE = SpecConfig(spec=("none",))
+LOOKUP = SpecConfig(spec=("prompt-lookup",), draft_max=WIDTH - 1, ngram_min=1, ngram_max=3)
+
+
+def graph_path(kind="llama", dtype=torch.float64, context=512):
+    model = tiny_arch_model(kind, dtype=dtype, context=context).to(DEVICE)
+    return model, forward_path(model, graphs=True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_graph_safe_forward_computes_the_lean_forwards_logits(kind):
+    model, path = graph_path(kind)
+    assert isinstance(path, GraphLlama) and path.graphs == (DEVICE == "cuda")
+    lean = LeanLlama(model)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 384, 70).tolist()
+    ours, theirs = path.new_cache(), lean.new_cache()
+    # a prompt chunk (its own shapes), a generating forward over more rows than one width, then single tokens
+    for ids, prompt_chunk in ((prompt[:40], True), (prompt[40:61], False), (prompt[61:62], False), (prompt[62:], False)):
+        got = path.batch([Rows(ours, ids, len(ids), prompt=prompt_chunk)])[0]
+        want = lean.batch([Rows(theirs, ids, len(ids), prompt=prompt_chunk)])[0]
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert ours.length == theirs.length == 70
+    # the model's own forward, from scratch (transformers' softmax runs in float32)
+    full = model(torch.tensor([prompt], device=model.device)).logits[0, -1:]
+    ours.crop(69)
+    torch.testing.assert_close(path(ours, prompt[69:], 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_logits_are_the_same_bits_decoded_alone_or_verified_among_others(dtype):
+    """What keeps speculation lossless: every generating forward has the same shapes, so a row's logits do not
+    depend on how many rows share its forward, nor on which other sequences share the batch."""
+    _, path = graph_path(dtype=dtype)
+    rng = np.random.default_rng(1)
+    prompt, continuation = rng.integers(1, 384, 30).tolist(), rng.integers(1, 384, 9).tolist()
+    alone, verified, other = path.new_cache(), path.new_cache(), path.new_cache()
+    path(other, rng.integers(1, 384, 50).tolist(), 1)
+    for cache in (alone, verified):
+        path(cache, prompt, 1)
+    one_at_a_time = torch.cat([path(alone, [token], 1) for token in continuation])
+    together = path.batch([Rows(other, continuation[:3], 3, generating=True),
+                           Rows(verified, continuation, len(continuation), generating=True)])[1]
+    assert torch.equal(one_at_a_time, together)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_speculation_is_plain_decoding_token_for_token(dtype):
+    model, _ = graph_path(dtype=dtype)
+    engine = Engine(model, tiny_tokenizer(), SpecConfig(), eos_token_ids=frozenset({EOS}), forward="graphs")
+    drafted = accepted = 0
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        prompt = random_prompt(rng, int(rng.integers(4, 120)), repetitive=seed % 4 != 0)
+        plain = engine.generate(prompt, SamplingParams(max_tokens=48), spec=NONE)
+        fast = engine.generate(prompt, SamplingParams(max_tokens=48), spec=LOOKUP)
+        assert fast.tokens == plain.tokens, seed
+        drafted, accepted = drafted + fast.stats.drafted_tokens, accepted + fast.stats.accepted_tokens
+    assert 30 < accepted < drafted - 30  # drafts were both accepted and rejected
+
+
+def test_padding_rows_and_rejected_drafts_leave_nothing_behind():
+    _, path = graph_path()
+    rng = np.random.default_rng(2)
+    prompt, tail = rng.integers(1, 384, 20).tolist(), rng.integers(1, 384, 5).tolist()
+    clean, used = path.new_cache(), path.new_cache()
+    path(clean, prompt, 1)
+    path(used, prompt, 1)
+    path(used, rng.integers(1, 384, 12).tolist(), 12)  # a rejected draft, and its padding rows
+    used.crop(20)
+    assert torch.equal(path(used, tail, 5), path(clean, tail, 5))
+
+
+def test_a_sessions_cache_goes_to_the_next_session_with_its_graph():
+    _, path = graph_path()
+    cache = path.new_cache()
+    path(cache, [1, 2, 3], 1)
+    store = cache.store
+    del cache
+    gc.collect()
+    again = path.new_cache()
+    assert again.store is store and again.length == 0
+    assert path.new_cache().store is not store
+
+
+def test_a_prompt_past_the_context_is_refused_and_the_cache_stays_usable():
+    _, path = graph_path(context=64)
+    cache = path.new_cache()
+    path(cache, list(range(1, 41)), 1)
+    with pytest.raises(CodespecError, match="context of 64"):
+        path(cache, list(range(1, 41)), 1)
+    assert cache.length == 40
+    assert path(cache, [5], 1).shape == (1, 384)
+
+
+def test_seeded_sampling_repeats_on_the_graph_safe_forward():
+    model, _ = graph_path(dtype=torch.float32)
+    engine = Engine(model, tiny_tokenizer(), SpecConfig(), eos_token_ids=frozenset({EOS}), forward="graphs")
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=7)
+    prompt = random_prompt(np.random.default_rng(3), 60, repetitive=True)
+    first, second = (engine.generate(prompt, params, spec=LOOKUP).tokens for _ in range(2))
+    assert first == second and len(first) > 8
