@@ -6,6 +6,7 @@ Nothing above the engine touches tensors; nothing below it knows about HTTP or L
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import functools
 import os
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import decode_steps, drive, next_output, prefill_rows
 from .drafters import SharedDrafting, build_chain
 from .drafters.taught import TaughtDocuments
-from .errors import CodespecError
+from .errors import CodespecError, DeviceMemoryFull
 from .forward import forward_path
 from .healing import Constraint, Vocabulary, heal
 from .sampling import Sampler
@@ -169,7 +170,7 @@ class Engine:
             spec = replace(spec, spec=PLAIN)
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is None:
-            session = Session(self.path, build_chain(spec, self.shared), session_id)
+            session = self._new_session(spec, session_id)
             if session_id is not None:
                 self.sessions[session_id] = session
         elif session.spec.drafter_key() != spec.drafter_key():
@@ -182,6 +183,20 @@ class Engine:
             self.sessions[session_id] = self.sessions.pop(session_id)
         session.spec = spec
         return session
+
+    def _new_session(self, spec: SpecConfig, session_id: str | None) -> Session:
+        """A new session. Where the device has no memory left for its cache (graphs.py: caches of fixed size on a
+        GPU), the least recently used named sessions go first, one at a time (what they taught the pool stays, as
+        in evict); with none left, DeviceMemoryFull (the server's 503). A session a request is still using frees
+        its cache when that request ends."""
+        while True:
+            try:
+                return Session(self.path, build_chain(spec, self.shared), session_id)
+            except DeviceMemoryFull:
+                if not self.sessions:
+                    raise
+                self.sessions.pop(next(iter(self.sessions)))
+                gc.collect()  # its cache goes back to the forward's free list now
 
     DONORS = 8  # the most recently used sessions whose caches a prompt may borrow chunks from (--cache-reuse)
 

@@ -3,3 +3,7 @@
 
 class CodespecError(Exception):
     """A problem with the user's input or environment, reported without a traceback."""
+
+
+class DeviceMemoryFull(CodespecError):
+    """The device has no memory left for another session's cache, even after the idlest sessions went (a 503)."""

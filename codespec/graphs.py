@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import CodespecError
+from .errors import CodespecError, DeviceMemoryFull
 
 WIDTH = 16  # rows of every generating forward: pending tokens plus at most WIDTH - 1 draft tokens
 BLOCK = 256  # keys per block of the attention's value products (a cache's size is a multiple of it)
@@ -108,10 +108,10 @@ class GraphLlama:
         self.device, self.dtype = lean.device, lean.dtype
         self.context, self.width = context, width
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        # torch.compile of the generating forward (fixed shapes: compiled once) fuses the ~20 small kernels of a
-        # layer around its matrix products into a few: a graph replays its kernels one after another, each
-        # costing a few microseconds however little it does. On GPUs with graphs; None: there
-        self.compiled = (self.graphs and self.device.type == "cuda") if compiled is None else compiled
+        # torch.compile of the generating forward (fixed shapes: compiled once), meant to fuse a layer's small
+        # kernels; measured on an H100 it made the graph slower (float32 4.3 -> 12.3 ms, bfloat16 3.6 -> 7.1 ms:
+        # more kernels, not fewer), so it is off unless asked for (results/cuda/forward-*.json)
+        self.compiled = bool(compiled)
         self.step = torch.compile(self.forward, dynamic=False) if self.compiled else self.forward
         self.heads, self.kv_heads, self.head_dim = lean.heads, lean.kv_heads, lean.head_dim
         self.length = -(-(context + width) // BLOCK) * BLOCK  # keys a cache holds: room for a width past the context
@@ -135,8 +135,10 @@ class GraphLlama:
             try:
                 store = Store(shape, self.dtype, self.device, self.width)
             except torch.OutOfMemoryError:
-                raise CodespecError(f"no device memory for another session's cache ({self.cache_bytes() >> 20} MB); "
-                                    "fewer sessions (--session-memory) or a shorter context fit") from None
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # what the failed allocation left
+                raise DeviceMemoryFull(f"no device memory for another session's cache ({self.cache_bytes() >> 20} "
+                                       "MB): try again when other requests have finished") from None
         return SlotCache(store, self.context, self.free)
 
     def cache_bytes(self) -> int:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..config import SamplingParams, ServerConfig
 from ..context.fim import SuffixTrimmer, fim_prompt, prompt_budget
-from ..errors import CodespecError
+from ..errors import CodespecError, DeviceMemoryFull
 from ..request import LLAMA_CPP, BlockLimit, Prompt
 from ..scheduler import QueueFull, Scheduler
 from .generation import Generation, Generations, Plan
@@ -36,7 +36,7 @@ from .schemas import (ChatRequest, ChatResponse, CompletionRequest, CompletionRe
 log = logging.getLogger("codespec.server")
 # every route: a wrong key, a foreign Host or Origin, a bug; a body's routes: its mistakes, limits and the queue
 ANY_ROUTE_ERRORS = {status: {"model": ErrorResponse} for status in (401, 403, 500)}
-BODY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 422, 429)}
+BODY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 422, 429, 503)}
 OPENAI_ERRORS = {**BODY_ERRORS, 404: {"model": ErrorResponse}}  # and a model name this server does not serve
 ROUTES = {"/infill", "/completion", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics",
           "/slots"}
@@ -126,6 +126,10 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
     @app.exception_handler(QueueFull)
     async def queue_full(request, exc):
         return error(429, str(exc), "rate_limit_error")
+
+    @app.exception_handler(DeviceMemoryFull)
+    async def device_full(request, exc):  # the server is fine; the GPU is full for now
+        return error(503, str(exc), "server_error")
 
     @app.exception_handler(CodespecError)
     async def bad_request(request, exc):
@@ -235,6 +239,8 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                 yield sse(piece(delta))
             for event in last():
                 yield sse(event)
+        except DeviceMemoryFull as exc:
+            yield error_event(503, str(exc), "server_error")
         except CodespecError as exc:
             yield error_event(400, str(exc), "invalid_request_error")
         except Exception as exc:

@@ -118,3 +118,56 @@ def test_seeded_sampling_repeats_on_the_graph_safe_forward():
     prompt = random_prompt(np.random.default_rng(3), 60, repetitive=True)
     first, second = (engine.generate(prompt, params, spec=LOOKUP).tokens for _ in range(2))
     assert first == second and len(first) > 8
+
+
+def limit_caches(monkeypatch, engine, room: int):
+    """From now on the device holds `room` more caches: another one fails as a GPU's allocation would."""
+    from codespec import graphs
+
+    engine.costs  # measured first, on a cache of its own
+    engine.path.free.clear()
+    made = []
+    original = graphs.Store.__init__
+
+    def store(self, *args):
+        if len(made) >= room:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 MiB (simulated)")
+        made.append(self)
+        original(self, *args)
+
+    monkeypatch.setattr(graphs.Store, "__init__", store)
+
+
+def test_a_full_device_makes_room_by_evicting_the_idlest_session(monkeypatch):
+    model, _ = graph_path()
+    engine = Engine(model, tiny_tokenizer(), SpecConfig(), eos_token_ids=frozenset({EOS}), forward="graphs")
+    limit_caches(monkeypatch, engine, room=2)
+    prompt, params = list(range(10, 40)), SamplingParams(max_tokens=8)
+    first = engine.generate(prompt, params, session_id="a")
+    engine.generate(prompt, params, session_id="b")
+    again = engine.generate(prompt, params, session_id="c")  # "a" goes: its cache is c's now
+    assert list(engine.sessions) == ["b", "c"] and again.tokens == first.tokens
+    engine.sessions.clear()
+    gc.collect()
+    assert len(engine.path.free) == 2
+
+
+def test_a_full_device_with_nothing_to_evict_is_a_503_and_the_server_stays_up(monkeypatch):
+    import httpx
+
+    from codespec.config import ServerConfig
+    from codespec.server import create_app
+    from tests.serving import live_server
+
+    model, _ = graph_path()
+    engine = Engine(model, tiny_tokenizer(), SpecConfig(), eos_token_ids=frozenset({EOS}), forward="graphs")
+    limit_caches(monkeypatch, engine, room=0)
+    app = create_app(engine, ServerConfig(slots=1))
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        for route in ("/v1/completions", "/completion"):
+            answer = client.post(route, json={"prompt": "def f(x):", "max_tokens": 4})
+            assert answer.status_code == 503, answer.text
+            assert "no device memory" in answer.json()["error"]["message"]
+        monkeypatch.undo()  # memory again: the same server answers
+        assert client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4}).status_code == 200
+        assert client.get("/health").status_code == 200
