@@ -10,6 +10,14 @@ import pytest
 from codespec.cli import main
 
 
+@pytest.fixture(autouse=True)
+def on_the_cpu(monkeypatch):
+    """These tests assert exact text: the CPU's (a GPU, found by --device auto, would round otherwise), also in
+    the processes they start."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def run_cli(capsys, *args):
     code = main(list(args))
     captured = capsys.readouterr()

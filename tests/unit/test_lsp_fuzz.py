@@ -14,7 +14,7 @@ import pytest_asyncio
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SERVER = [sys.executable, "-m", "codespec", "lsp", "--forward", "transformers"]
+SERVER = [sys.executable, "-m", "codespec", "lsp", "--forward", "transformers", "--device", "cpu"]  # exact text: the CPU
 SOURCE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    \n"
 OPTIONS = {"debounce_ms": 0, "max_tokens": 8, "command_max_tokens": 16, "extra_tokens": 0}
 SECONDS = 60  # no answer within this long counts as none

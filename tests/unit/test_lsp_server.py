@@ -23,7 +23,7 @@ from lsp.server import CodespecServer
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # the transformers forward: the lean path's TorchScript warm-up costs more than a tiny model's whole test
-SERVER = [sys.executable, "-m", "codespec", "lsp", "--forward", "transformers"]
+SERVER = [sys.executable, "-m", "codespec", "lsp", "--forward", "transformers", "--device", "cpu"]  # exact text: the CPU
 SOURCE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    \n"
 DEFAULTS = {"max_tokens": 12, "command_max_tokens": 150, "debounce_ms": 0, "max_file_chars": 20_000}
 
