@@ -254,6 +254,13 @@ def run_bench(args) -> int:
                                                          indent=2))
         return 0
     forward = None
+    if args.forward_costs and engine.model.device.type == "cuda":  # a GPU's floors and forwards (bench/cuda.py)
+        from .bench.cuda import forward_section, format_forward
+
+        forward = forward_section(engine.model)
+        print(format_forward(forward))
+        (out / "forward.json").write_text(json.dumps(forward, indent=2))
+        return 0
     if args.forward_costs or not (quick or args.no_forward_costs):
         from .bench.forward_costs import forward_costs, format_forward_costs, outside_forward_share
 

@@ -77,6 +77,25 @@ def kernels(run) -> int:
                and "memcpy" not in event.name.lower() and "memset" not in event.name.lower())
 
 
+def kernel_profile(run, top: int = 12) -> list[dict]:
+    """Where one call of run() spends the GPU's time: the kernels that take most, with their count per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.device_time_total
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return [{"kernel": name, "count": count, "us": round(us, 1)} for name, (count, us) in ranked]
+
+
 def forward_section(model) -> dict:
     from ..forward import LeanLlama, Rows
     from ..graphs import GraphLlama
@@ -109,16 +128,38 @@ def forward_section(model) -> dict:
             except Exception as error:  # a path that cannot run here: say so in the table
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                 break
+        if name == "graph-safe, no graphs" and "error" not in row:  # the kernels a replay runs, timed one by one
+            row["profile_k16"] = kernel_profile(lambda: (path.batch([Rows(cache, ids[256:272], 16)]), cache.crop(256)))
         cache_read = getattr(path, "cache_bytes", lambda: 0)()  # the graph-safe forward reads its whole cache
         row["memory_floor_ms"] = round((weights + cache_read) / (bandwidth / 2) * 1e3, 3)
         row["launch_floor_ms"] = {size: round(count * launch / 1e3, 3) for size, count in row["kernels"].items()}
         rows.append(row)
-        print(f"{name:28s} " + " ".join(f"{size}:{ms:.3f}" for size, ms in row["ms"].items())
-              + f"  kernels {row['kernels'].get(1)}  memory floor {row['memory_floor_ms']} ms"
-              + (f"  ({row['error']})" if "error" in row else ""), flush=True)
     return {"device": torch.cuda.get_device_name(), "dtype": str(model.dtype).removeprefix("torch."),
             "weights_mb": round(weights / 1e6, 1), "copy_bandwidth_gb_s": round(bandwidth / 1e9),
             "launch_us": round(launch, 2), "context": context, "rows": rows}
+
+
+def format_forward(data: dict) -> str:
+    """forward_section's table: ms per forward over k rows, kernels per forward and the floors."""
+    lines = [f"one forward over k rows on {data['device']}, {data['dtype']}, ms (a launch {data['launch_us']} us, "
+             f"copies {data['copy_bandwidth_gb_s']} GB/s, weights {data['weights_mb']} MB)"]
+    header = (f"{'path':34} " + " ".join(f"{'k=' + str(k):>7}" for k in SIZES)
+              + f" {'kernels':>8} {'launch':>7} {'memory':>7}")
+    lines += [header, "-" * len(header)]
+    for row in data["rows"]:
+        ms, kernels, launch = ({int(k): v for k, v in row[key].items()} for key in ("ms", "kernels", "launch_floor_ms"))
+        times = " ".join(f"{ms[k]:7.2f}" if k in ms else f"{'-':>7}" for k in SIZES)
+        lines.append(f"{row['path']:34} {times} {kernels.get(1, 0):8d} {launch.get(1, 0):7.2f} "
+                     f"{row['memory_floor_ms']:7.2f}" + (f"  ({row['error']})" if "error" in row else ""))
+    for row in data["rows"]:
+        if row.get("profile_k16"):
+            total = sum(entry["us"] for entry in row["profile_k16"])
+            lines.append(f"{row['path']}, k=16, the GPU's busiest kernels ({total:.0f} us of them in one forward):")
+            lines += [f"  {entry['us']:8.1f} us  x{entry['count']:<4d} {entry['kernel']}" for entry in row["profile_k16"]]
+    lines.append("kernels, launch and memory at k=1. launch: the kernels of one forward at the measured cost of one "
+                 "launch; memory: the weights and the cache it reads at the copy bandwidth (the graph-safe forward "
+                 "reads its whole cache)")
+    return "\n".join(lines)
 
 
 def fuzz_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
@@ -238,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, _ = load(ModelConfig(model=args.model, device="cuda", dtype=str(dtype).removeprefix("torch.")),
                                 show_progress=False)
             data = forward_section(model)
+            print(format_forward(data), flush=True)
             (out / f"forward-{data['dtype']}.json").write_text(json.dumps(data, indent=1))
             del model
     if "identity" in sections:
