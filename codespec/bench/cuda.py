@@ -217,18 +217,23 @@ def identity_section(model_name: str, dtypes: list[str], fuzz: int, max_tokens: 
     return results
 
 
-def edits_section(model_name: str, repeats: int, max_tokens: int, per_class: int) -> dict:
+def edits_section(model_name: str, repeats: int, max_tokens: int, per_class: int, configs: str = "all") -> dict:
     from ..config import ModelConfig
     from ..engine import Engine
-    from .runner import DEFAULT_CHAIN, HF_LOOKUP, PLAIN, Config, build_configs, format_table, report, run_bench
+    from .runner import (DEFAULT_CHAIN, DRAFT_QUARTER, HF_LOOKUP, PLAIN, Config, build_configs, format_table, report,
+                         run_bench)
     from .workloads import completion_workloads, edit_workloads
 
     engine = Engine.load(ModelConfig(model=model_name, device="cuda"), show_progress=False)
-    base = {c.name: c for c in build_configs(True, engine.spec.draft_max, engine.spec)}
-    configs = [base[PLAIN], base[DEFAULT_CHAIN], base[HF_LOOKUP], Config("transformers generate", hf_options={}),
-               Config("transformers static cache + compile", hf_options={"cache_implementation": "static"})]
+    layers = engine.model.config.num_hidden_layers
+    base = {c.name: c for c in build_configs(False, engine.spec.draft_max, engine.spec, layers)}
+    if configs == "draft":  # codespec's draft model (the target's first quarter) beside plain and the default
+        chosen = [base[PLAIN], base[DEFAULT_CHAIN], base[DRAFT_QUARTER]]
+    else:
+        chosen = [base[PLAIN], base[DEFAULT_CHAIN], base[HF_LOOKUP], Config("transformers generate", hf_options={}),
+                  Config("transformers static cache + compile", hf_options={"cache_implementation": "static"})]
     workloads = edit_workloads(per_class) + completion_workloads(per_class)
-    rows = run_bench(engine, workloads, configs, repeats, max_tokens)
+    rows = run_bench(engine, workloads, chosen, repeats, max_tokens)
     data = report(rows, {"device": torch.cuda.get_device_name(), "dtype": str(engine.model.dtype),
                          "path": type(engine.path).__name__, "max_tokens": max_tokens, "repeats": repeats})
     print(format_table(data), flush=True)
@@ -259,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--per-class", type=int, default=1)
+    parser.add_argument("--configs", default="all", help="edits: all (codespec and transformers' peers) or draft "
+                        "(plain, the default chain and a draft model)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("codespec.bench.cuda: no CUDA device here", file=sys.stderr)
@@ -286,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         data = identity_section(args.model, args.dtypes.split(","), args.fuzz, args.max_tokens)
         (out / "identity.json").write_text(json.dumps(data, indent=1))
     if "edits" in sections:
-        data = edits_section(args.model, args.repeats, 256, args.per_class)
-        (out / "edits.json").write_text(json.dumps(data, indent=1, default=str))
+        data = edits_section(args.model, args.repeats, 256, args.per_class, args.configs)
+        (out / ("edits.json" if args.configs == "all" else f"edits-{args.configs}.json")).write_text(json.dumps(data, indent=1, default=str))
     return 0
 
 

@@ -86,13 +86,15 @@ class DraftModel(Drafter):
     def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
         if max_tokens < 1 or len(history) == 0:
             return None
+        sampled = self.params.temperature > 0
+        if not sampled and self.p_min == 0 and self._greedy_on_device():
+            return self._draft_on_device(history, max_tokens)
         started = time.perf_counter()
         logits, fed = self._sync(history)  # [vocab] for the position after history
         catch_up = time.perf_counter() - started if fed > 2 else 0.0
         if self.context is not None:
             # drafting k tokens feeds k-1 of them after the cached ones: keep every position inside the context
             max_tokens = min(max_tokens, self.context + 1 - len(self.tokens))
-        sampled = self.params.temperature > 0
         tokens: list[int] = []
         distributions: list[torch.Tensor] = []
         while len(tokens) < max_tokens:
@@ -111,6 +113,27 @@ class DraftModel(Drafter):
             return None
         return Draft(tokens, torch.stack(distributions) if sampled else None, catch_up_seconds=catch_up)
 
+    def _greedy_on_device(self) -> bool:
+        """Whether the forward can run a whole greedy draft on the device (graphs.py) for this vocabulary."""
+        return hasattr(self.path, "greedy") and self.target_vocab_size in (None, self.model.config.vocab_size)
+
+    def _draft_on_device(self, history: np.ndarray, max_tokens: int) -> Draft | None:
+        """A greedy draft on the graph-safe forward: the same tokens as draft()'s loop, with the device waited for
+        twice per draft instead of twice per token."""
+        fresh = self._fresh(history)
+        catch_up = 0.0
+        if len(fresh) > 2:  # catching up on history: timed apart, as in draft()
+            started = time.perf_counter()
+            self._feed(fresh[:-1])
+            catch_up, fresh = time.perf_counter() - started, fresh[-1:]
+        if self.context is not None:
+            max_tokens = min(max_tokens, self.context + 1 - len(self.tokens) - len(fresh))
+        if max_tokens < 1:
+            return None
+        tokens = self.path.greedy(self.cache, fresh, max_tokens)
+        self.tokens.extend(fresh + tokens[:-1])
+        return Draft(tokens, None, catch_up_seconds=catch_up)
+
     @torch.no_grad()
     def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
         self._crop(self.offset + common_prefix(self.tokens, history[self.offset:]))  # rejected drafts leave now
@@ -122,14 +145,18 @@ class DraftModel(Drafter):
     def _sync(self, history: np.ndarray) -> tuple[torch.Tensor, int]:
         """Make the cache cover the window of history; return the logits for the next position and how many
         tokens were fed."""
+        fresh = self._fresh(history)
+        return self._feed(fresh), len(fresh)
+
+    def _fresh(self, history: np.ndarray) -> list[int]:
+        """Crop the cache to what history still shares with it; return the tokens to feed after it."""
         if self.window is not None and (len(history) <= self.offset or len(history) - self.offset > 2 * self.window):
             self._crop(self.offset)  # empty: start again from the last WINDOW tokens
             self.offset = max(0, len(history) - self.window)
         # the last history token is always fed (again, if it was cached) because only a forward gives logits
         keep = min(common_prefix(self.tokens, history[self.offset:]), len(history) - 1 - self.offset)
         self._crop(self.offset + keep)
-        fresh = history[self.offset + keep:].tolist()
-        return self._feed(fresh), len(fresh)
+        return history[self.offset + keep:].tolist()
 
     def _crop(self, new_len: int) -> None:
         """Keep the cache for history[:new_len] (whatever of it lies in the window)."""

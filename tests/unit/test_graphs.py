@@ -171,3 +171,26 @@ def test_a_full_device_with_nothing_to_evict_is_a_503_and_the_server_stays_up(mo
         monkeypatch.undo()  # memory again: the same server answers
         assert client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4}).status_code == 200
         assert client.get("/health").status_code == 200
+
+
+def test_a_draft_model_on_the_graph_safe_forward_drafts_on_the_device_the_same_tokens(monkeypatch):
+    from codespec.drafters.draft_model import DraftModel
+
+    model, path = graph_path(dtype=torch.float32)
+    on_device, step_by_step = DraftModel(model, path=path), DraftModel(model, path=path)
+    assert on_device._greedy_on_device()
+    monkeypatch.setattr(step_by_step, "_greedy_on_device", lambda: False)
+    calls = []
+    greedy = path.greedy
+    monkeypatch.setattr(path, "greedy", lambda *args: calls.append(args[2]) or greedy(*args))
+    rng = np.random.default_rng(4)
+    history = np.array(random_prompt(rng, 40, repetitive=True))
+    for drafter in (on_device, step_by_step):
+        drafter.begin(history, SamplingParams())
+    for step in range(6):  # drafts, a partial acceptance each time, and a history that moves on
+        first, second = on_device.draft(history, 7), step_by_step.draft(history, 7)
+        assert first.tokens == second.tokens and len(first.tokens) == 7
+        history = np.concatenate([history, first.tokens[: step % 4], rng.integers(1, 384, 1)])
+        for drafter in (on_device, step_by_step):
+            drafter.accept(history, 7, step % 4)
+    assert calls == [7] * 6 and on_device.tokens == step_by_step.tokens
