@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "identity.json").write_text(json.dumps(data, indent=1))
     if "edits" in sections:
         data = edits_section(args.model, args.repeats, 256, args.per_class, args.configs)
-        (out / ("edits.json" if args.configs == "all" else f"edits-{args.configs}.json")).write_text(json.dumps(data, indent=1, default=str))
+        name = "edits.json" if args.configs == "all" else f"edits-{args.configs}.json"
+        (out / name).write_text(json.dumps(data, indent=1, default=str))
     return 0
 
 
