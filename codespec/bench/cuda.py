@@ -228,7 +228,7 @@ def edits_section(model_name: str, repeats: int, max_tokens: int, per_class: int
     layers = engine.model.config.num_hidden_layers
     base = {c.name: c for c in build_configs(False, engine.spec.draft_max, engine.spec, layers)}
     if configs == "draft":  # codespec's draft model (the target's first quarter) beside plain and the default
-        chosen = [base[PLAIN], base[DEFAULT_CHAIN], base[DRAFT_QUARTER]]
+        chosen = [base[PLAIN], base[DEFAULT_CHAIN], base[DRAFT_QUARTER], base[HF_LOOKUP]]
     else:
         chosen = [base[PLAIN], base[DEFAULT_CHAIN], base[HF_LOOKUP], Config("transformers generate", hf_options={}),
                   Config("transformers static cache + compile", hf_options={"cache_implementation": "static"})]
