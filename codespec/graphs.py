@@ -28,6 +28,7 @@ plain and speculative decoding prefill alike). On a CPU the same forward runs wi
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -95,6 +96,18 @@ class SlotCache:
         return self.store.keys.nbytes + self.store.values.nbytes
 
 
+def on_the_device(method):
+    """Run a method with the path's GPU current on this thread: streams, graphs and allocations without a device
+    use the current one, which is per thread (the server's worker is not the thread that loaded the model)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class GraphLlama:
     """LeanLlama's weights in the graph-safe forward: `new_cache()`, `batch(rows)`, `__call__(cache, ids, keep)` and
     `move` as forward.LeanLlama; each generating Rows also gets `targets`, the argmax of its kept rows."""
@@ -128,6 +141,7 @@ class GraphLlama:
         self.reads = (f"graph-safe, width {width}" + (", compiled" if self.compiled else "")
                       + (", CUDA graphs" if self.graphs else ""))
 
+    @on_the_device
     def new_cache(self) -> SlotCache:
         store = self.free.pop() if self.free else None
         if store is None:
@@ -154,6 +168,7 @@ class GraphLlama:
         return self.batch([Rows(cache, input_ids, logits_to_keep)])[0]
 
     @torch.no_grad()
+    @on_the_device
     def batch(self, rows: list) -> list[torch.Tensor]:
         """Each sequence's forward in turn (a graph replay each, on a GPU: the launches cost microseconds), then one
         wait for the device. Returns each sequence's logits for its last `keep` rows (float32, on the device)."""
@@ -174,6 +189,7 @@ class GraphLlama:
         return out
 
     @torch.no_grad()
+    @on_the_device
     def greedy(self, cache: SlotCache, ids: list[int], count: int) -> list[int]:
         """Feed ids, then decode `count` tokens greedily with count - 1 more forwards, without waiting for the device
         between them: each forward's argmax is the next one's input, copied on the device (a draft model's loop:
