@@ -6,8 +6,8 @@ Nothing above the engine touches tensors; nothing below it knows about HTTP or L
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import functools
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
