@@ -100,6 +100,7 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
     room = getattr(path, "context", None)  # a path with caches of fixed size (graphs.py): what fits
     if room is not None:
         context = min(context, room // 4)
+        sizes = tuple(n for n in sizes if context + n <= room) or sizes[:1]
         longer = min(longer, room - context - 2 * max(sizes))
     cache = path.new_cache()
     path(cache, rng.integers(0, vocab_size, context).tolist(), 1)

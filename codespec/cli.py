@@ -45,7 +45,8 @@ def bounded_int(low: int, high: int):
 
 
 # add_model_options' flags: ModelConfig's fields
-MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision", "cache_type", "activations")
+MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision", "cache_type", "activations",
+               "context")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +56,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="auto (default: float32 on cpu, and on cuda for models up to 1.5B "
                         "parameters, else bfloat16), float32, bfloat16, float16")
     parser.add_argument("--forward", choices=FORWARD_CHOICES,
-                        help="lean (default: own Llama forward, static KV cache) or transformers")
+                        help="lean (default: own Llama forward, static KV cache; graph-safe on GPUs), graphs (the "
+                             "graph-safe forward anywhere) or transformers")
+    parser.add_argument("--ctx-size", "-c", dest="context", type=int,
+                        help="tokens of context, prompt plus output (default 0: the model's own, 8,192 for the "
+                             "default model); on GPUs each session's cache has this fixed size")
     parser.add_argument("--weights", choices=WEIGHTS_CHOICES,
                         help="auto (default: gguf where it runs, else checkpoint), checkpoint (the converted model, "
                              "bfloat16 values in float32) or gguf (the GGUF's own Q4_1/Q8_0 blocks, as llama-server "

@@ -146,9 +146,13 @@ class ModelConfig:
     # (memory, and what attention reads per token), the text that of float16 keys and values; auto: f16 where it runs;
     # q8: each key and value rounded to 8-bit integers with one scale (llama.cpp's q8_0 cache): 53% of f16's bytes
     activations: str = "auto"  # see ACTIVATIONS_CHOICES (with --weights gguf, and auto when it picks the blocks)
+    context: int = 0  # tokens of context (llama-server's --ctx-size): prompt plus output; 0: the model's own. On
+    # GPUs every session's cache has this fixed size (graphs.py): a shorter one is less memory and attention
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
     def validate(self) -> None:
+        if self.context < 0:
+            raise ValueError(f"--ctx-size must be 0 (the model's context) or more, got {self.context}")
         if self.forward not in FORWARD_CHOICES:
             raise ValueError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARD_CHOICES)}")
         if self.weights not in WEIGHTS_CHOICES:

@@ -102,6 +102,7 @@ class Engine:
     prompt_precision: str = ModelConfig.prompt_precision
     cache_type: str = ModelConfig.cache_type
     activations: str = ModelConfig.activations
+    context: int = 0  # ModelConfig.context: tokens of context, 0 for the model's own
 
     def __post_init__(self):
         self.spec.validate()
@@ -109,7 +110,7 @@ class Engine:
         self.path = forward_path(self.model, lean=self.forward in ("lean", "graphs"), gguf=self.gguf,
                                  graphs=True if self.forward == "graphs" else None,
                                  prompt_precision=self.prompt_precision, cache_type=self.cache_type,
-                                 activations=self.activations)
+                                 activations=self.activations, context=self.context_length)
         check_forward(self.path, self.model)
         if self.model.device.type == "cuda" and self.session_memory == SESSION_MEMORY:
             import torch
@@ -148,11 +149,13 @@ class Engine:
             gguf = auto_gguf(model_config, model)
         return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf,
                    prompt_precision=model_config.prompt_precision, cache_type=model_config.cache_type,
-                   activations=model_config.activations)
+                   activations=model_config.activations, context=model_config.context)
 
     @property
     def context_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        """Tokens of context: the model's own, or fewer (--ctx-size)."""
+        own = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return min(own, self.context) if self.context > 0 else own
 
     @property
     def costs(self) -> CostModel:

@@ -556,10 +556,12 @@ class TransformersForward:
 
 
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",
-                 cache_type: str = "auto", activations: str = "auto", graphs: Optional[bool] = None):
+                 cache_type: str = "auto", activations: str = "auto", graphs: Optional[bool] = None,
+                 context: int = 0):
     """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
     run the lean path on that file's own blocks (--weights gguf), which only it can; so with --cache-type f16.
-    graphs: the lean path's weights in the graph-safe forward (graphs.py); None: on GPUs."""
+    graphs: the lean path's weights in the graph-safe forward (graphs.py); None: on GPUs. context: the graph-safe
+    forward's cache size (0: the model's context)."""
     graphs = model.device.type == "cuda" if graphs is None else graphs
     if lean and LeanLlama.supports(model) is None and graphs:
         if gguf is not None or cache_type in ("f16", "q8") or activations == "q8":
@@ -568,7 +570,7 @@ def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_p
                                 "--cache-type and --activations")
         from .graphs import GraphLlama
 
-        context = int(getattr(model.config, "max_position_embeddings", 2048))
+        context = context or int(getattr(model.config, "max_position_embeddings", 2048))
         return GraphLlama(LeanLlama(model, cache_type="f32", prompt_precision="float32"), context)
     if lean and LeanLlama.supports(model) is None:
         return LeanLlama(model, gguf, prompt_precision, cache_type, activations)

@@ -96,7 +96,7 @@ def kernel_profile(run, top: int = 12) -> list[dict]:
     return [{"kernel": name, "count": count, "us": round(us, 1)} for name, (count, us) in ranked]
 
 
-def forward_section(model) -> dict:
+def forward_section(model, compiled: bool = True) -> dict:
     from ..forward import LeanLlama, Rows
     from ..graphs import GraphLlama
 
@@ -109,7 +109,8 @@ def forward_section(model) -> dict:
     paths = {"lean (kernel by kernel)": lean,
              "graph-safe, no graphs": GraphLlama(lean, context, graphs=False, compiled=False),
              "graph-safe, CUDA graphs": GraphLlama(lean, context, compiled=False),
-             "graph-safe, compiled, CUDA graphs": GraphLlama(lean, context, compiled=True)}
+             **({"graph-safe, compiled, CUDA graphs": GraphLlama(lean, context, compiled=True)} if compiled else {}),
+             "graph-safe, CUDA graphs, --ctx-size 2048": GraphLlama(lean, min(context, 2048), compiled=False)}
     rows = []
     for name, path in paths.items():
         cache = path.new_cache()
@@ -143,13 +144,13 @@ def format_forward(data: dict) -> str:
     """forward_section's table: ms per forward over k rows, kernels per forward and the floors."""
     lines = [f"one forward over k rows on {data['device']}, {data['dtype']}, ms (a launch {data['launch_us']} us, "
              f"copies {data['copy_bandwidth_gb_s']} GB/s, weights {data['weights_mb']} MB)"]
-    header = (f"{'path':34} " + " ".join(f"{'k=' + str(k):>7}" for k in SIZES)
+    header = (f"{'path':40} " + " ".join(f"{'k=' + str(k):>7}" for k in SIZES)
               + f" {'kernels':>8} {'launch':>7} {'memory':>7}")
     lines += [header, "-" * len(header)]
     for row in data["rows"]:
         ms, kernels, launch = ({int(k): v for k, v in row[key].items()} for key in ("ms", "kernels", "launch_floor_ms"))
         times = " ".join(f"{ms[k]:7.2f}" if k in ms else f"{'-':>7}" for k in SIZES)
-        lines.append(f"{row['path']:34} {times} {kernels.get(1, 0):8d} {launch.get(1, 0):7.2f} "
+        lines.append(f"{row['path']:40} {times} {kernels.get(1, 0):8d} {launch.get(1, 0):7.2f} "
                      f"{row['memory_floor_ms']:7.2f}" + (f"  ({row['error']})" if "error" in row else ""))
     for row in data["rows"]:
         if row.get("profile_k16"):
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--sections", default="forward,identity,edits")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="identity: the dtypes to check")
+    parser.add_argument("--no-compile", action="store_true", help="forward: leave out the torch.compile row")
     parser.add_argument("--random", action="store_true", help="forward: a random model of the same shape")
     parser.add_argument("--fuzz", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 model, _ = load(ModelConfig(model=args.model, device="cuda", dtype=str(dtype).removeprefix("torch.")),
                                 show_progress=False)
-            data = forward_section(model)
+            data = forward_section(model, compiled=not args.no_compile)
             print(format_forward(data), flush=True)
             (out / f"forward-{data['dtype']}.json").write_text(json.dumps(data, indent=1))
             del model

@@ -32,6 +32,7 @@ def run_cli(capsys, *args):
     (["--draft-max", "many", "x"], 2, "not an integer"),
     (["--draft-min", "9", "--draft-max", "4", "x"], 1, "draft-min"),
     (["--top-p", "0", "x"], 1, "top-p"),
+    (["--ctx-size", "-1", "x"], 1, "ctx-size"),
     (["--temperature", "-1", "x"], 1, "temperature"),
     (["   "], 1, "empty"),
     (["--model", "./no/such/dir", "x"], 1, "model path not found"),

@@ -194,3 +194,15 @@ def test_a_draft_model_on_the_graph_safe_forward_drafts_on_the_device_the_same_t
         for drafter in (on_device, step_by_step):
             drafter.accept(history, 7, step % 4)
     assert calls == [7] * 6 and on_device.tokens == step_by_step.tokens
+
+
+def test_ctx_size_sets_the_context_and_the_size_of_every_cache():
+    model, _ = graph_path()
+    engine = Engine(model, tiny_tokenizer(), SpecConfig(), eos_token_ids=frozenset({EOS}), forward="graphs",
+                    context=128)
+    assert engine.context_length == 128 and engine.path.context == 128
+    assert engine.path.new_cache().keys.shape[2] == 256  # 128 + a width, in whole blocks
+    with pytest.raises(CodespecError, match="context"):
+        engine.generate(list(range(1, 200)), SamplingParams(max_tokens=4))
+    result = engine.generate(list(range(1, 120)), SamplingParams(max_tokens=40), spec=NONE)
+    assert len(result.tokens) == 128 - 119 and result.finish_reason == "length"
