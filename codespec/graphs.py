@@ -172,9 +172,10 @@ class GraphLlama:
     def batch(self, rows: list) -> list[torch.Tensor]:
         """Each sequence's forward in turn (a graph replay each, on a GPU: the launches cost microseconds), then one
         wait for the device. Returns each sequence's logits for its last `keep` rows (float32, on the device)."""
+        for r in rows:  # every row checked before any runs: a refused one leaves the others' caches as they were
+            r.cache.reserve(r.cache.length + len(r.ids))
         results = []
         for r in rows:
-            r.cache.reserve(r.cache.length + len(r.ids))
             if r.prompt and len(r.ids) > self.width:  # a prompt chunk: its own shapes, no graph
                 logits, targets = self._eager(r.cache, r.ids)
                 results.append((logits[-r.keep :], None))

@@ -108,6 +108,10 @@ def test_a_prompt_past_the_context_is_refused_and_the_cache_stays_usable():
     with pytest.raises(CodespecError, match="context of 64"):
         path(cache, list(range(1, 41)), 1)
     assert cache.length == 40
+    other = path.new_cache()
+    with pytest.raises(CodespecError, match="context of 64"):  # in a batch: the other sequence is untouched
+        path.batch([Rows(other, [1, 2, 3], 1), Rows(cache, list(range(1, 41)), 1)])
+    assert (cache.length, other.length) == (40, 0)
     assert path(cache, [5], 1).shape == (1, 384)
 
 
