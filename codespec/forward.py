@@ -563,7 +563,8 @@ def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_p
     graphs: the lean path's weights in the graph-safe forward (graphs.py); None: on GPUs. context: the graph-safe
     forward's cache size (0: the model's context)."""
     graphs = model.device.type == "cuda" if graphs is None else graphs
-    if lean and LeanLlama.supports(model) is None and graphs:
+    why = LeanLlama.supports(model) if lean else "--forward transformers"  # (None: the lean path it is)
+    if why is None and graphs:
         if gguf is not None or cache_type in ("f16", "q8") or activations == "q8":
             raise CodespecError("the graph-safe forward (the lean forward on GPUs) keeps the cache in the model's "
                                 "dtype and multiplies the checkpoint's weights: leave out --weights gguf, "
@@ -572,9 +573,8 @@ def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_p
 
         context = context or int(getattr(model.config, "max_position_embeddings", 2048))
         return GraphLlama(LeanLlama(model, cache_type="f32", prompt_precision="float32"), context)
-    if lean and LeanLlama.supports(model) is None:
+    if why is None:
         return LeanLlama(model, gguf, prompt_precision, cache_type, activations)
-    why = LeanLlama.supports(model) if lean else "--forward transformers"
     if gguf is not None:
         raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
     if cache_type in ("f16", "q8"):

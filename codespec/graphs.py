@@ -177,15 +177,14 @@ class GraphLlama:
         results = []
         for r in rows:
             if r.prompt and len(r.ids) > self.width:  # a prompt chunk: its own shapes, no graph
-                logits, targets = self._eager(r.cache, r.ids)
-                results.append((logits[-r.keep :], None))
+                results.append((self._eager(r.cache, r.ids, r.keep), None))
             else:
                 results.append(self._generate(r.cache, r.ids, r.keep))
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the step's one wait for the device
         out = []
         for r, (logits, targets) in zip(rows, results):
-            r.targets = targets.tolist()[-r.keep :] if targets is not None else None
+            r.targets = targets.tolist() if targets is not None else None
             out.append(logits)
         return out
 
@@ -207,20 +206,25 @@ class GraphLlama:
         for step in range(count - 1):
             captured.inputs[:1].copy_(tokens[step : step + 1])
             captured.inputs[self.width :].copy_(starts[step : step + 1], non_blocking=True)
-            if captured.graph is not None:
-                captured.graph.replay()
-                targets = captured.targets
-            else:
-                targets = self.step(cache.store, captured.inputs, self.width)[1]
-            tokens[step + 1 : step + 2].copy_(targets[:1])
+            tokens[step + 1 : step + 2].copy_(self._run(cache.store)[1][:1])
             cache.length += 1
         return tokens.tolist()  # the wait
 
-    def _eager(self, cache: SlotCache, ids: list[int]):
+    def _eager(self, cache: SlotCache, ids: list[int], keep: int) -> torch.Tensor:
+        """A prompt chunk at its own length: the logits of its last `keep` rows."""
         inputs = torch.tensor(ids + [cache.length], dtype=torch.long).to(self.device, non_blocking=True)
-        logits, targets = self.forward(cache.store, inputs, len(ids))
+        logits, _ = self.forward(cache.store, inputs, len(ids), keep)
         cache.length += len(ids)
-        return logits, targets
+        return logits
+
+    def _run(self, store: Store):
+        """One generating forward over the store's inputs: its graph's replay, or the forward itself. Returns the
+        logits [width, vocab] and their argmax [width] (a graph's outputs: the next replay writes them again)."""
+        captured = self._captured(store)
+        if captured.graph is not None:
+            captured.graph.replay()
+            return captured.logits, captured.targets
+        return self.step(store, captured.inputs, self.width)
 
     def _generate(self, cache: SlotCache, ids: list[int], keep: int):
         """ids in forwards of `width` rows (padded): the kept rows' logits and their argmax (in host memory once
@@ -234,15 +238,11 @@ class GraphLlama:
             host[len(chunk) : self.width] = 0  # padding rows: any token
             host[self.width] = cache.length
             captured.inputs.copy_(host, non_blocking=True)
-            if captured.graph is not None:
-                captured.graph.replay()
-                logits, targets = captured.logits, captured.targets
-            else:
-                logits, targets = self.step(cache.store, captured.inputs, self.width)
+            logits, targets = self._run(cache.store)
             cache.length += len(chunk)
             wanted = min(len(chunk), max(0, keep - (len(ids) - first - len(chunk))))  # kept rows in this chunk
             if wanted:
-                # copied out of the graph's output, which the next replay writes again
+                # copied out of the graph's outputs, which the next replay writes again
                 kept_logits.append(logits[len(chunk) - wanted : len(chunk)].clone())
                 kept_targets.append(targets[len(chunk) - wanted : len(chunk)].clone())
         targets = torch.cat(kept_targets) if len(kept_targets) > 1 else kept_targets[0]
@@ -278,10 +278,11 @@ class GraphLlama:
         captured.graph = graph
         return captured
 
-    def forward(self, store: Store, inputs: torch.Tensor, count: int):
+    def forward(self, store: Store, inputs: torch.Tensor, count: int, keep: int | None = None):
         """The forward over `count` rows: inputs[:count] are the token ids, inputs[count] the position of the first
         (a tensor, so that a graph replays at any position). Writes their keys and values into the store; returns
-        the logits [count, vocab] (float32, or float64) and their argmax [count]. Only tensor operations of fixed shapes."""
+        the logits of the last `keep` rows (all by default) [keep, vocab] (float32, or float64) and their argmax.
+        Only tensor operations of fixed shapes."""
         lean = self.lean
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         group, hidden = heads // kv_heads, lean.hidden
@@ -319,5 +320,6 @@ class GraphLlama:
             h = F.rms_norm(x, (hidden,), norm2, lean.eps)
             gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, down_w)
-        logits = F.linear(F.rms_norm(x, (hidden,), lean.norm, lean.eps).to(self.head.dtype), self.head)  # [count, vocab]
+        x = x[count - (keep or count) :]  # [keep, hidden]
+        logits = F.linear(F.rms_norm(x, (hidden,), lean.norm, lean.eps).to(self.head.dtype), self.head)  # [keep, vocab]
         return logits, logits.argmax(-1)

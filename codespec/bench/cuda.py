@@ -64,8 +64,9 @@ def copy_bandwidth(megabytes: int = 1024) -> float:
     return 2 * source.numel() / (ms / 1e3)
 
 
-def kernels(run) -> int:
-    """CUDA kernels one call of run() launches (CUDA graph replays count the kernels inside)."""
+def device_events(run) -> list:
+    """The profiler's GPU events of one call of run() (after one call to warm up; a CUDA graph's replay shows the
+    kernels inside it)."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -73,25 +74,22 @@ def kernels(run) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in event.name.lower() and "memset" not in event.name.lower())
+    return [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernels(run) -> int:
+    """CUDA kernels one call of run() launches (copies and fills aside)."""
+    return sum(1 for event in device_events(run)
+               if "memcpy" not in event.name.lower() and "memset" not in event.name.lower())
 
 
 def kernel_profile(run, top: int = 12) -> list[dict]:
     """Where one call of run() spends the GPU's time: the kernels that take most, with their count per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
     totals: dict[str, list] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(event.name[:90], [0, 0.0])
-            entry[0] += 1
-            entry[1] += event.device_time_total
+    for event in device_events(run):
+        entry = totals.setdefault(event.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time_total
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
     return [{"kernel": name, "count": count, "us": round(us, 1)} for name, (count, us) in ranked]
 
@@ -99,11 +97,12 @@ def kernel_profile(run, top: int = 12) -> list[dict]:
 def forward_section(model, compiled: bool = True) -> dict:
     from ..forward import LeanLlama, Rows
     from ..graphs import GraphLlama
+    from .forward_costs import weight_bytes
 
     context = int(model.config.max_position_embeddings)
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (256 + max(SIZES),)).tolist()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)
     bandwidth, launch = copy_bandwidth(), launch_us()
     lean = LeanLlama(model)
     paths = {"lean (kernel by kernel)": lean,
