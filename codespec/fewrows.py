@@ -37,7 +37,7 @@ from numba import prange
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-from . import attention, attention_ir, llvmir, q8, quantized
+from . import attention, attention_ir, llvmir, prompt_attention, q8, quantized
 from .attention import _float_bits
 
 FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
@@ -238,6 +238,7 @@ class Apart:
     cache: object
     mask: Optional[torch.Tensor]
     wide: Optional[torch.Tensor] = None  # a float16 cache's keys and values widen into this (attend_in_place)
+    bfloat16: bool = False  # attend in prompt_attention's bfloat16 tiles (q8 activations, CPUs with AVX512-BF16)
 
 
 def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarray, heads: int, kv_heads: int,
@@ -253,7 +254,13 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
         keys = attention.dequantized(keys[:, :end], True, wide[:size].view(kv_heads, end, dim))
         values = attention.dequantized(values[:, :end], False, wide[size : 2 * size].view(kv_heads, end, dim))
         k, v, wide = keys[:, start:].transpose(0, 1), values[:, start:].transpose(0, 1), None
-    out = attention.attend_in_place(q, k, v, keys, values, start, apart.mask, wide)
+    if apart.bfloat16:
+        end = start + apart.count
+        keys[:, start:end] = k.transpose(0, 1)
+        values[:, start:end] = v.transpose(0, 1)
+        out = prompt_attention.attend(q, keys, values, start)
+    else:
+        out = attention.attend_in_place(q, k, v, keys, values, start, apart.mask, wide)
     attended[apart.first : apart.first + apart.count] = out.view(apart.count, heads, dim).numpy()
 
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from . import attention, fewrows, q8, quantized
+from . import attention, fewrows, prompt_attention, q8, quantized
 from .errors import CodespecError
 
 
@@ -378,7 +378,8 @@ class LeanLlama:
         # activations would give other logits: a verify over more rows would not match decoding)
         if self.fewrows is not None and (self.q8 or len(ids) <= fewrows.FEW_ROWS):
             firsts = itertools.accumulate(counts, initial=0)
-            apart = [fewrows.Apart(first, count, r.cache, mask, wide)
+            bfloat16 = self.q8 and prompt_attention.fits(self.head_dim)  # prompt chunks: bfloat16 attention tiles
+            apart = [fewrows.Apart(first, count, r.cache, mask, wide, bfloat16)
                      for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]
             logits = fewrows.forward(self.fewrows, x, rotary, table, score_rows, width, apart, keep, self.eps,
                                      self.heads, self.kv_heads, self.head_dim)

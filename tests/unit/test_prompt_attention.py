@@ -1,0 +1,85 @@
+"""A prompt chunk's attention in bfloat16 tiles (prompt_attention.py), for forwards with q8 activations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codespec import prompt_attention
+from codespec.forward import Rows, forward_path
+from tests.tiny import tiny_arch_model
+from tests.unit.test_quantized import write_gguf
+
+
+def bfloat16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).double()
+
+
+def reference(q, keys, values, start):
+    """The attention the tiles compute, in float64 from the same bfloat16 roundings of q, k, v and the weights."""
+    count, heads, dim = q.shape
+    group = heads // keys.shape[0]
+    end = start + count
+    k = bfloat16(keys[:, :end].float()).repeat_interleave(group, 0)  # [heads, end, dim]
+    v = bfloat16(values[:, :end].float()).repeat_interleave(group, 0)
+    scores = torch.einsum("chd,hkd->hck", bfloat16(q), k)
+    hidden = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return torch.einsum("hck,hkd->chd", bfloat16(weights.float()), v).reshape(count, heads * dim)
+
+
+def pytorch(q, keys, values, start):
+    count = q.shape[0]
+    end = start + count
+    hidden = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+    mask = torch.zeros(count, end).masked_fill(hidden, float("-inf"))
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None, :, :end].float(),
+                                         values[None, :, :end].float(), attn_mask=mask, scale=1.0, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(count, -1)
+
+
+def inputs(start, count, heads, kv_heads, dim, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(count, heads, dim, generator=generator) * 0.2
+    keys = (torch.randn(kv_heads, start + count + 5, dim, generator=generator) * 1.5).to(dtype)
+    values = torch.randn(kv_heads, start + count + 5, dim, generator=generator).to(dtype)
+    return q, keys, values
+
+
+@pytest.mark.parametrize("start, count, heads, kv_heads, dim, dtype", [
+    (0, 40, 9, 3, 64, torch.float16), (0, 128, 9, 3, 64, torch.float16), (300, 128, 9, 3, 64, torch.float16),
+    (17, 33, 4, 2, 16, torch.float32), (100, 1, 4, 4, 32, torch.float32), (1000, 24, 8, 1, 64, torch.float16)])
+def test_the_tiles_compute_attention_over_bfloat16_roundings(start, count, heads, kv_heads, dim, dtype):
+    q, keys, values = inputs(start, count, heads, kv_heads, dim, dtype)
+    got = prompt_attention.attend(q, keys, values, start)
+    assert got.shape == (count, heads * dim) and got.dtype == torch.float32
+    expected = reference(q, keys, values, start)
+    assert (got.double() - expected).abs().max() < 2e-3 * expected.abs().max()  # a weight may round the other way
+    exact = pytorch(q, keys, values, start)
+    assert (got - exact).abs().max() < 2e-2 * exact.abs().max()  # bfloat16's 8 bits, not other numbers
+
+
+def test_a_row_gets_the_same_bits_in_any_chunk():
+    """Each row sums over its own keys in one order: the prompt's split into chunks does not change it."""
+    q, keys, values = inputs(20, 60, 9, 3, 64, torch.float16, seed=1)
+    whole = prompt_attention.attend(q, keys, values, 20)
+    later = prompt_attention.attend(q[20:], keys, values, 40)  # rows 40..79 as a chunk of their own
+    alone = prompt_attention.attend(q[33:34], keys, values, 53)
+    assert torch.equal(later, whole[20:]) and torch.equal(alone, whole[33:34])
+
+
+@pytest.mark.parametrize("activations", ["q8", "float32"])
+def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeypatch, activations):
+    """q8 activations: chunks of more than fewrows.FEW_ROWS prompt rows attend in the bfloat16 tiles (where the CPU
+    has them: monkeypatched away, PyTorch's attention); float32 activations keep PyTorch's float32 attention."""
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations=activations)
+    calls, attend = [], prompt_attention.attend
+    monkeypatch.setattr(prompt_attention, "attend", lambda q, *rest: calls.append(q.shape[0]) or attend(q, *rest))
+    ids = list(range(3, 43))
+    logits = lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True)])[0]
+    assert calls == ([40] * 2 if activations == "q8" else [])  # once per layer (2)
+    monkeypatch.setattr(prompt_attention, "available", lambda: False)
+    calls.clear()
+    fallback = lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True)])[0]
+    assert calls == []
+    assert (logits - fallback).abs().max() < 0.05 * fallback.abs().max()
