@@ -196,22 +196,35 @@ def _bfloat16(x):
     return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+@numba.njit(inline="always", fastmath=True, cache=True)
+def _pair(low, high):
+    """Two cache elements (float32, or float16 as its bits) as bfloat16 in one uint32, `low` in the low half."""
+    return np.uint32(_bfloat16(np.float32(_widened(low)))) | (np.uint32(_bfloat16(np.float32(_widened(high)))) << 16)
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
 def _layout(keys, values, end, k, v):
     """keys and values [kv_heads, >= end, dim] (float32, or float16 as its bits) as the tiles read them: k [kv_heads,
-    blocks, dim / 2, 16, 2] and v [kv_heads, blocks * 8, dim, 2] (uint16: bfloat16), zero past `end`."""
+    blocks, dim / 2, 16] and v [kv_heads, blocks * 8, dim] (uint32: two bfloat16), zero past `end`."""
     kv_heads, blocks, dim = k.shape[0], k.shape[1], keys.shape[2]
     for task in prange(kv_heads * blocks):
         h, b = task // blocks, task % blocks
         for j in range(16):
             key = b * 16 + j
-            for d in range(dim):
-                if key < end:
-                    k[h, b, d // 2, j, d % 2] = _bfloat16(np.float32(_widened(keys[h, key, d])))
-                    v[h, key // 2, d, key % 2] = _bfloat16(np.float32(_widened(values[h, key, d])))
-                else:
-                    k[h, b, d // 2, j, d % 2] = 0
-                    v[h, key // 2, d, key % 2] = 0
+            if key < end:
+                for d in range(dim // 2):
+                    k[h, b, d, j] = _pair(keys[h, key, 2 * d], keys[h, key, 2 * d + 1])
+            else:
+                k[h, b, :, j] = 0
+        for p in range(b * 8, b * 8 + 8):
+            if 2 * p + 1 < end:
+                for d in range(dim):
+                    v[h, p, d] = _pair(values[h, 2 * p, d], values[h, 2 * p + 1, d])
+            elif 2 * p < end:
+                for d in range(dim):
+                    v[h, p, d] = _pair(values[h, 2 * p, d], values[h, 2 * p, d]) & np.uint32(0xFFFF)  # the last key alone
+            else:
+                v[h, p, :] = 0
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
@@ -261,8 +274,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     kv_heads, group = keys.shape[0], heads // keys.shape[0]
     end = start + count
     padded = (end + KEYS - 1) // KEYS * KEYS
-    k = np.empty((kv_heads, padded // 16, dim // 2, 16, 2), dtype=np.uint16)
-    v = np.empty((kv_heads, padded // 2, dim, 2), dtype=np.uint16)
+    k = np.empty((kv_heads, padded // 16, dim // 2, 16), dtype=np.uint32)
+    v = np.empty((kv_heads, padded // 2, dim), dtype=np.uint32)
     _layout(_elements(keys), _elements(values), end, k, v)
     rows = count * group
     grouped = q.view(count, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, rows, dim)
@@ -273,7 +286,6 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     scores = np.empty((threads, ROWS * padded), dtype=np.float32)
     weights = np.empty((threads, ROWS * padded), dtype=np.uint16)
     sums = np.empty((threads, ROWS, dim), dtype=np.float32)
-    _attend(q_pairs.numpy(), k.view(np.int32).reshape(kv_heads, padded // 16, dim // 2, 16),
-            v.view(np.int32).reshape(kv_heads, padded // 2, dim), start, group, count, out.numpy(), scores, weights, sums,
+    _attend(q_pairs.numpy(), k.view(np.int32), v.view(np.int32), start, group, count, out.numpy(), scores, weights, sums,
             kernels(dim))
     return out.view(count, heads * dim)

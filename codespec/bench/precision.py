@@ -2,7 +2,8 @@
 keys and values kept in float16 (--cache-type) and activations rounded to 8 bits (--activations q8), each alone,
 the default (on CPUs with AVX512-VNNI: q8 activations and a float16 cache) and the default with a q8 cache
 (--cache-type q8), against float32 throughout (and the q8 cache against the default), on every bench workload's
-first turn, with plain greedy decoding.
+first turn, with plain greedy decoding; and what each rounding costs the model: its mean log loss on a real file
+(the standard library's textwrap.py, teacher-forced through prompt chunks of 128 tokens).
 
     python -m codespec.bench.precision [--max-tokens 256] [--out FILE]
 
@@ -14,9 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
+from pathlib import Path
+
+import torch
 
 from ..config import ModelConfig, SamplingParams, SpecConfig
 from ..engine import Engine
+from ..forward import Rows
 from .workloads import EDITS, FREE_FORM, PROSE, all_workloads
 
 EXACT = ("float32", "f32", "float32")
@@ -68,6 +74,21 @@ def compare(engine: Engine, max_tokens: int) -> list[dict]:
     return rows
 
 
+def log_loss(engine: Engine, setting: tuple[str, str, str], tokens: int = 3000, chunk: int = 128) -> float:
+    """Mean negative log-likelihood (nats per token) of textwrap.py's first `tokens` tokens, each predicted from
+    the ones before it through prompt chunks of `chunk`."""
+    use(engine, setting)
+    ids = engine.tokenizer(Path(textwrap.__file__).read_text())["input_ids"][:tokens]
+    cache, total = engine.path.new_cache(), 0.0
+    with torch.no_grad():
+        for first in range(0, len(ids) - 1, chunk):
+            rows = ids[first : first + chunk]
+            targets = torch.tensor(ids[first + 1 : first + 1 + len(rows)])
+            logits = engine.path.batch([Rows(cache, rows, len(rows), prompt=True)])[0][: len(targets)]
+            total -= torch.log_softmax(logits.double(), -1)[torch.arange(len(targets)), targets].sum().item()
+    return total / (len(ids) - 1)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m codespec.bench.precision", description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -75,6 +96,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     engine = Engine.load(show_progress=False)
     rows = compare(engine, args.max_tokens)
+    try:
+        losses = {name: round(log_loss(engine, setting), 5) for name, setting in [("float32", EXACT), *VARIANTS.items()]}
+    finally:
+        use(engine, DEFAULT)
     print("first token that differs from float32 throughout ('-': none), and prefill seconds")
     print(f"{'workload':34} {'prompt':>6}" + "".join(f" {name:>17}" for name in VARIANTS) + f" {'prefill f32':>11}"
           + "".join(f" {name[:11]:>11}" for name in VARIANTS))
@@ -87,9 +112,13 @@ def main(argv=None) -> None:
     identical["q8 cache vs default"] = sum(row["q8_cache_vs_default"] is None for row in rows)
     for name, count in identical.items():
         print(f"identical greedy output, {name}: {count} of {len(rows)} workloads")
+    print("log loss on textwrap.py (nats per token): " + ", ".join(
+        f"{name} {loss:.5f}" + ("" if name == "float32" else f" ({loss - losses['float32']:+.5f})")
+        for name, loss in losses.items()))
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"max_tokens": args.max_tokens, "identical": identical, "rows": rows}, handle, indent=1)
+            json.dump({"max_tokens": args.max_tokens, "identical": identical, "log_loss": losses, "rows": rows},
+                      handle, indent=1)
 
 
 if __name__ == "__main__":
