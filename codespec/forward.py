@@ -357,10 +357,13 @@ class LeanLlama:
             table = attention.make_table([rows[i] for i in chosen], [firsts[i] for i in chosen], self.heads)
             score_rows = self.heads * sum(counts[i] for i in chosen)
             width = attention.padded_width(max(ends[i] for i in chosen))
+        # prompt chunks attend in prompt_attention's bfloat16 tiles with q8 activations (which run every forward in
+        # numba), where the CPU has them; they mask each row by its own length
+        bfloat16 = self.q8 and self.fewrows is not None and prompt_attention.fits(self.head_dim)
         masks: List[Optional[torch.Tensor]] = []
         for start, count, end, kernel in zip(starts, counts, ends, few):
             mask = None
-            if count > 1 and not kernel and start > 0:  # query i sees keys 0..start+i (from 0: is_causal)
+            if count > 1 and not kernel and start > 0 and not bfloat16:  # query i sees keys 0..start+i (0: is_causal)
                 key_positions = torch.arange(end, device=self.device)
                 query_positions = torch.arange(start, end, device=self.device)[:, None]
                 mask = torch.zeros((count, end), dtype=self.dtype, device=self.device)
@@ -378,7 +381,6 @@ class LeanLlama:
         # activations would give other logits: a verify over more rows would not match decoding)
         if self.fewrows is not None and (self.q8 or len(ids) <= fewrows.FEW_ROWS):
             firsts = itertools.accumulate(counts, initial=0)
-            bfloat16 = self.q8 and prompt_attention.fits(self.head_dim)  # prompt chunks: bfloat16 attention tiles
             apart = [fewrows.Apart(first, count, r.cache, mask, wide, bfloat16)
                      for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]
             logits = fewrows.forward(self.fewrows, x, rotary, table, score_rows, width, apart, keep, self.eps,
