@@ -134,6 +134,32 @@ def _project_by_format(x, norm, eps, weight):
     return lambda x, norm, eps, weight: quantized.linear(x, norm, eps, weight)
 
 
+def _outputs(weight):
+    """A projection's output columns, in any of _project's formats."""
+
+
+@overload(_outputs, jit_options={"cache": True})
+def _outputs_by_format(weight):
+    if isinstance(weight, types.Array):
+        return lambda weight: weight.shape[0]
+    if len(weight) == 5:
+        return lambda weight: weight[3]
+    return lambda weight: weight[1].shape[0]
+
+
+MLP_BYTES = 1 << 19  # the most bytes of an MLP's gate/up output at once: a prompt chunk's MLP runs in slices of rows
+# so that it and the copies made of it stay under the mmap threshold (memory.py: 1 MB). A fresh buffer above it is a
+# fresh mmap, and its page faults made a 128-row chunk's MLP 52 -> 83 ms in the server
+
+
+@numba.njit(cache=True)
+def _mlp_rows(rows, outputs):
+    """Rows per slice of the MLP: all of them when their gate/up output fits MLP_BYTES, else a multiple of 8 (whole
+    tiles of every projection format, so a row's numbers do not depend on the slicing)."""
+    fit = MLP_BYTES // (4 * outputs) // 8 * 8
+    return rows if rows <= fit else max(8, fit)
+
+
 @numba.njit(cache=True)
 def _output(x, norm, eps, weight):
     """The output layer (from Python)."""
@@ -164,19 +190,21 @@ def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
 def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, down_weight, silu):
     """x += attended @ W_o.T, then x += down(silu(gate) * up) of rms_norm(x), in place. `silu`: llvmir.silu_mul's
     address (16 lanes at a time; numba's loop calls expf once per element: 2 ms of a 16-row forward)."""
-    rows = x.shape[0]
     x += _project(attended, EMPTY, eps, o_weight)
-    gate_up = _project(x, norm, eps, gate_up_weight)
-    inner = gate_up.shape[1] // 2
-    if inner % 16 == 0:
-        for r in range(rows):
-            _call(silu, gate_up.ctypes.data + r * gate_up.shape[1] * 4, inner)
-    else:
-        for r in range(rows):
-            for i in range(inner):
-                gate = gate_up[r, i]
-                gate_up[r, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[r, inner + i]
-    x += _project(gate_up[:, :inner], EMPTY, eps, down_weight)
+    step = _mlp_rows(x.shape[0], _outputs(gate_up_weight))
+    for first in range(0, x.shape[0], step):  # a prompt chunk's MLP a slice of rows at a time (see MLP_BYTES)
+        part = x[first : first + step]
+        gate_up = _project(part, norm, eps, gate_up_weight)
+        inner = gate_up.shape[1] // 2
+        if inner % 16 == 0:
+            for r in range(part.shape[0]):
+                _call(silu, gate_up.ctypes.data + r * gate_up.shape[1] * 4, inner)
+        else:
+            for r in range(part.shape[0]):
+                for i in range(inner):
+                    gate = gate_up[r, i]
+                    gate_up[r, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[r, inner + i]
+        part += _project(gate_up[:, :inner], EMPTY, eps, down_weight)
 
 
 @intrinsic
