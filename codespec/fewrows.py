@@ -147,7 +147,7 @@ def _outputs_by_format(weight):
     return lambda weight: weight[1].shape[0]
 
 
-MLP_BYTES = 1 << 19  # the most bytes of an MLP's gate/up output at once: a prompt chunk's MLP runs in slices of rows
+MLP_BYTES = 1_000_000  # the most bytes of an MLP's gate/up output at once: a prompt chunk's MLP runs in slices of rows
 # so that it and the copies made of it stay under the mmap threshold (memory.py: 1 MB). A fresh buffer above it is a
 # fresh mmap, and its page faults made a 128-row chunk's MLP 52 -> 83 ms in the server
 
