@@ -86,17 +86,17 @@ def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeyp
 
 
 def test_a_prompts_split_into_chunks_does_not_change_its_logits(tmp_path):
-    """With q8 activations every row's projections and prompt attention are its own: one chunk of 600 rows (whose
-    MLP runs in slices of rows, fewrows.MLP_BYTES) and three of 200 give the same bits."""
+    """With q8 activations every row's projections and prompt attention are its own: one chunk of 1,200 rows (whose
+    MLP runs in slices of rows, fewrows.MLP_BYTES) and three of 400 give the same bits."""
     from codespec import fewrows
 
-    model = tiny_arch_model("llama", dtype=torch.float32)
+    model = tiny_arch_model("llama", dtype=torch.float32, context=2048)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
     outputs = 2 * model.config.intermediate_size
-    assert fewrows._mlp_rows(600, outputs) < 600 and fewrows._mlp_rows(600, outputs) % 8 == 0
+    assert fewrows._mlp_rows(1200, outputs) < 1200 and fewrows._mlp_rows(1200, outputs) % 8 == 0
     assert fewrows._mlp_rows(16, outputs) == 16
-    ids = [(7 * i) % 300 + 3 for i in range(600)]
-    whole = lean.batch([Rows(lean.new_cache(), ids, 600, prompt=True)])[0]
+    ids = [(7 * i) % 300 + 3 for i in range(1200)]
+    whole = lean.batch([Rows(lean.new_cache(), ids, 1200, prompt=True)])[0]
     cache = lean.new_cache()
-    parts = [lean.batch([Rows(cache, ids[i : i + 200], 200, prompt=True)])[0] for i in range(0, 600, 200)]
+    parts = [lean.batch([Rows(cache, ids[i : i + 400], 400, prompt=True)])[0] for i in range(0, 1200, 400)]
     assert torch.equal(whole, torch.cat(parts))
