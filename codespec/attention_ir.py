@@ -188,9 +188,7 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
     text = (f"define void @values{itemsize}_{rows}(ptr noalias %w, i64 %width, ptr noalias %v, i64 %count, "
             "ptr noalias %out, i64 %unused) {\nentry:\n  %none = icmp eq i64 %count, 0\n"
             "  br i1 %none, label %store, label %loop\nloop:\n  %j = phi i64 [ 0, %entry ], [ %j.next, %loop ]\n")
-    for r in range(rows):
-        for c in range(chunks):
-            text += f"  %a{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, %loop ]\n"
+    text += running_sums(rows, chunks, "%loop")
     text += f"  %vo = mul i64 %j, {row_bytes(dim, itemsize) // itemsize}\n"
     if itemsize == 1:
         text += "  %vrow = getelementptr i8, ptr %v, i64 %vo\n" + _scale("vs", "%vrow", dim)
@@ -206,13 +204,23 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
             text += f"  %a{r}_{c}.next = call {VECTOR} {FMA}({VECTOR} %wv{r}, {VECTOR} %vf{c}, {VECTOR} %a{r}_{c})\n"
     text += ("  %j.next = add i64 %j, 1\n  %done = icmp eq i64 %j.next, %count\n"
              "  br i1 %done, label %store, label %loop\nstore:\n")
-    for r in range(rows):
-        for c in range(chunks):
-            text += f"  %f{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, %loop ]\n"
-    for r in range(rows):
-        for c in range(chunks):
-            text += (f"  %so{r}_{c} = getelementptr float, ptr %out, i64 {r * dim + c * 16}\n"
-                     f"  store {VECTOR} %f{r}_{c}, ptr %so{r}_{c}, align 4\n")
+    return text + stored_sums(rows, chunks, dim, "%loop")
+
+
+def running_sums(rows: int, chunks: int, loop: str) -> str:
+    """The head of a `values` tile's loop: each row's 16-lane sums %a{r}_{c}, zero on entry, %a{r}_{c}.next after
+    each step of block `loop`."""
+    return "".join(f"  %a{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
+                   for r in range(rows) for c in range(chunks))
+
+
+def stored_sums(rows: int, chunks: int, dim: int, loop: str) -> str:
+    """The end of a `values` tile: each row's 16-lane sums %a{r}_{c}.next (from block `loop`; zero when the loop
+    never ran) stored into out [rows, dim], and the return."""
+    text = "".join(f"  %f{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
+                   for r in range(rows) for c in range(chunks))
+    text += "".join(f"  %so{r}_{c} = getelementptr float, ptr %out, i64 {r * dim + c * 16}\n"
+                    f"  store {VECTOR} %f{r}_{c}, ptr %so{r}_{c}, align 4\n" for r in range(rows) for c in range(chunks))
     return text + "  ret void\n}\n"
 
 

@@ -28,7 +28,7 @@ import torch
 from numba import prange
 
 from .attention import _bits, _call, _widened
-from .attention_ir import VECTOR
+from .attention_ir import VECTOR, running_sums, stored_sums
 from .llvmir import _exp_ir, compile_ir
 
 ROWS = 4  # query rows per tile
@@ -86,10 +86,7 @@ def values_ir(dim: int) -> str:
     text = ("define void @pvalues(ptr noalias %p, i64 %width, ptr noalias %v, i64 %pairs, ptr noalias %out, "
             "i64 %unused) {\nentry:\n  %none = icmp eq i64 %pairs, 0\n  br i1 %none, label %store, label %step\n"
             "step:\n  %j = phi i64 [ 0, %entry ], [ %j.next, %step ]\n")
-    for r in range(ROWS):
-        for c in range(chunks):
-            text += f"  %a{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, %step ]\n"
-    text += f"  %vo = mul i64 %j, {dim}\n"
+    text += running_sums(ROWS, chunks, "%step") + f"  %vo = mul i64 %j, {dim}\n"
     for c in range(chunks):
         text += (f"  %vo{c} = add i64 %vo, {16 * c}\n  %vp{c} = getelementptr i32, ptr %v, i64 %vo{c}\n"
                  f"  %vv{c} = load {BF16}, ptr %vp{c}, align 4\n")
@@ -99,14 +96,7 @@ def values_ir(dim: int) -> str:
             text += f"  %a{r}_{c}.next = call {VECTOR} {DOT}({VECTOR} %a{r}_{c}, {BF16} %w{r}, {BF16} %vv{c})\n"
     text += ("  %j.next = add i64 %j, 1\n  %done = icmp eq i64 %j.next, %pairs\n"
              "  br i1 %done, label %store, label %step\nstore:\n")
-    for r in range(ROWS):
-        for c in range(chunks):
-            text += f"  %f{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, %step ]\n"
-    for r in range(ROWS):
-        for c in range(chunks):
-            text += (f"  %so{r}_{c} = getelementptr float, ptr %out, i64 {r * dim + 16 * c}\n"
-                     f"  store {VECTOR} %f{r}_{c}, ptr %so{r}_{c}, align 4\n")
-    return text + "  ret void\n}\n"
+    return text + stored_sums(ROWS, chunks, dim, "%step")
 
 
 def softmax_ir() -> str:
