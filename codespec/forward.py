@@ -372,7 +372,8 @@ class LeanLlama:
         keep = [i for row_end, r in zip(itertools.accumulate(counts), rows) for i in range(row_end - r.keep, row_end)]
         wide = None  # a float16 cache read by PyTorch's attention widens into this buffer, kept between forwards
         apart_ends = [end for end, kernel in zip(ends, few) if not kernel]
-        if self.cache_dtype != self.dtype and apart_ends:  # (q8: the dequantized keys and values)
+        widened = self.cache_dtype == torch.int8 or not bfloat16  # (the tiles read a float16 cache themselves)
+        if self.cache_dtype != self.dtype and apart_ends and widened:  # (q8: the dequantized keys and values)
             needed = 2 * self.kv_heads * max(apart_ends) * self.head_dim
             if self._wide.numel() < needed:
                 self._wide = torch.empty(max(needed, 2 * self._wide.numel()), dtype=self.dtype, device=self.device)
