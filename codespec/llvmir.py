@@ -27,6 +27,13 @@ def compile_ir(source: str, names: list[str]) -> np.ndarray:
     return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
 
 
+def splat(name: str, pointer: str, vector: str, scalar: str) -> str:
+    """%name = the `scalar` at `pointer` in every lane of `vector` (16 lanes)."""
+    return (f"  %{name}.s = load {scalar}, ptr {pointer}, align 4\n"
+            f"  %{name}.v = insertelement {vector} poison, {scalar} %{name}.s, i64 0\n"
+            f"  %{name} = shufflevector {vector} %{name}.v, {vector} poison, <16 x i32> zeroinitializer\n")
+
+
 def _exp_ir(out: str, x: str) -> str:
     """%out = exp(%x) for 16 floats, as Cephes' expf computes it (2^n times a degree-7 polynomial, within about
     one unit in the last place): LLVM has no vector exp of its own (numba's loop calls expf once per element)."""

@@ -8,7 +8,8 @@ float32's rate, and the tiles here keep it fed:
 - `scores`: 4 query rows x 32 keys per step, 8 sums in registers; the keys are laid out per block of 16 so that a
   vector holds one pair of dimensions of 16 keys (no adding down across lanes), and a query's pair is broadcast
   from memory. One thread: ~220 GFLOP/s (384 rows x 3,520 keys).
-- softmax per row in numba over its own keys (the causal mask is each row's length), rounded to bfloat16;
+- `softmax`: 16 lanes at a time over each row's own keys (the causal mask is each row's length), rounded to
+  bfloat16;
 - `values`: 4 rows x 64 dimensions in registers, a vector holding 16 dimensions of two consecutive keys.
 
 Rounding: queries, keys, values and the softmax's weights are bfloat16 (8 significant bits) going into sums kept
@@ -29,7 +30,7 @@ from numba import prange
 
 from .attention import _bits, _call, _widened
 from .attention_ir import VECTOR, running_sums, stored_sums
-from .llvmir import _exp_ir, compile_ir
+from .llvmir import _exp_ir, compile_ir, splat
 
 ROWS = 4  # query rows per tile
 KEYS = 32  # keys per step of `scores` (two blocks of 16); sequences are padded to a multiple
@@ -40,10 +41,8 @@ BF16 = "<32 x bfloat>"
 def _broadcast(name: str, pointer: str, index: str) -> str:
     """%name = the int32 at pointer[index] (two bfloat16) in all 16 lanes, as 32 bfloat16."""
     return (f"  %{name}.p = getelementptr i32, ptr {pointer}, i64 {index}\n"
-            f"  %{name}.s = load i32, ptr %{name}.p, align 4\n"
-            f"  %{name}.v = insertelement <16 x i32> poison, i32 %{name}.s, i64 0\n"
-            f"  %{name}.b = shufflevector <16 x i32> %{name}.v, <16 x i32> poison, <16 x i32> zeroinitializer\n"
-            f"  %{name} = bitcast <16 x i32> %{name}.b to {BF16}\n")
+            + splat(f"{name}.b", f"%{name}.p", "<16 x i32>", "i32")
+            + f"  %{name} = bitcast <16 x i32> %{name}.b to {BF16}\n")
 
 
 def scores_ir(dim: int) -> str:
@@ -270,11 +269,14 @@ def _arena(words: int) -> np.ndarray:
 _KEPT = threading.local()
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal grouped-query attention of q [count, heads, dim] (float32, already scaled) at positions start.. against
-    keys and values [kv_heads, start + count (or more), dim] of any float dtype (the cache with the chunk's own keys
-    written): [count, heads * dim] float32."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           start: int) -> torch.Tensor:
+    """As attention.attend_in_place: writes the chunk's k and v [count, kv_heads, dim] into the cache (keys, values
+    [kv_heads, capacity, dim], any float dtype) at start.., then returns the causal grouped-query attention of q
+    [count, heads, dim] (float32, already scaled) against it, [count, heads * dim] float32."""
     count, heads, dim = q.shape
+    keys[:, start : start + count] = k.transpose(0, 1)
+    values[:, start : start + count] = v.transpose(0, 1)
     kv_heads, group = keys.shape[0], heads // keys.shape[0]
     end = start + count
     padded = (end + KEYS - 1) // KEYS * KEYS

@@ -32,19 +32,13 @@ from numba import prange
 from numba.core import types
 from numba.extending import intrinsic
 
-from .llvmir import compile_ir
+from .llvmir import compile_ir, splat
 
 COLUMNS = 16  # output columns a tile computes (one 16-lane vector)
 MAX_ROWS = 8  # the most rows a tile takes: each step's weights serve them all
 STEP_BYTES = 64  # one step: four weights of each of 16 columns
 STEPS = {"Q4_1": 4, "Q8_0": 8}  # 64-byte vectors a block of 32 weights x 16 columns takes
 CHUNK_BYTES = 24 * 1024  # a thread takes as many column groups as fit in this much L1 at a time
-
-
-def _splat(name: str, pointer: str, vector: str, scalar: str) -> str:
-    return (f"  %{name}.s = load {scalar}, ptr {pointer}, align 4\n"
-            f"  %{name}.v = insertelement {vector} poison, {scalar} %{name}.s, i64 0\n"
-            f"  %{name} = shufflevector {vector} %{name}.v, {vector} poison, <16 x i32> zeroinitializer\n")
 
 
 def tile_ir(name: str, kind: str, rows: int) -> str:
@@ -86,7 +80,7 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
             chain = step // 4
             text += (f"  %xo{j}_{step} = add i64 %xb, {4 * step}\n"
                      f"  %xp{j}_{step} = getelementptr i8, ptr %x{j}, i64 %xo{j}_{step}\n")
-            text += _splat(f"xi{j}_{step}", f"%xp{j}_{step}", "<16 x i32>", "i32")
+            text += splat(f"xi{j}_{step}", f"%xp{j}_{step}", "<16 x i32>", "i32")
             text += (f"  %xv{j}_{step} = bitcast <16 x i32> %xi{j}_{step} to <64 x i8>\n"
                      f"  %c{j}_{step} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {chains[chain]}, "
                      f"<64 x i8> {vector}, <64 x i8> %xv{j}_{step})\n")
@@ -94,11 +88,11 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
         text += (f"  %ci{j} = add <16 x i32> {chains[0]}, {chains[1]}\n"
                  f"  %cf{j} = sitofp <16 x i32> %ci{j} to <16 x float>\n"
                  f"  %xdp{j} = getelementptr float, ptr %xd{j}, i64 %b\n")
-        text += _splat(f"xdv{j}", f"%xdp{j}", "<16 x float>", "float")
+        text += splat(f"xdv{j}", f"%xdp{j}", "<16 x float>", "float")
         text += (f"  %sc{j} = fmul <16 x float> %d, %xdv{j}\n"
                  f"  %t{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %cf{j}, <16 x float> %sc{j}, "
                  f"<16 x float> %a{j})\n  %xsp{j} = getelementptr float, ptr %xs{j}, i64 %b\n")
-        text += _splat(f"xsv{j}", f"%xsp{j}", "<16 x float>", "float")
+        text += splat(f"xsv{j}", f"%xsp{j}", "<16 x float>", "float")
         text += (f"  %a{j}.next = call <16 x float> @llvm.fma.v16f32(<16 x float> %m, <16 x float> %xsv{j}, "
                  f"<16 x float> %t{j})\n")
     text += ("  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n"

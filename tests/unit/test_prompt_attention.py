@@ -37,6 +37,13 @@ def pytorch(q, keys, values, start):
     return out[0].transpose(0, 1).reshape(count, -1)
 
 
+def attend(q, keys, values, start):
+    """prompt_attention.attend for a cache that already holds the chunk's keys and values (written again)."""
+    rows = slice(start, start + q.shape[0])
+    k, v = keys[:, rows].transpose(0, 1).clone(), values[:, rows].transpose(0, 1).clone()
+    return prompt_attention.attend(q, k, v, keys, values, start)
+
+
 def inputs(start, count, heads, kv_heads, dim, dtype, seed=0):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(count, heads, dim, generator=generator) * 0.2
@@ -50,7 +57,7 @@ def inputs(start, count, heads, kv_heads, dim, dtype, seed=0):
     (17, 33, 4, 2, 16, torch.float32), (100, 1, 4, 4, 32, torch.float32), (1000, 24, 8, 1, 64, torch.float16)])
 def test_the_tiles_compute_attention_over_bfloat16_roundings(start, count, heads, kv_heads, dim, dtype):
     q, keys, values = inputs(start, count, heads, kv_heads, dim, dtype)
-    got = prompt_attention.attend(q, keys, values, start)
+    got = attend(q, keys, values, start)
     assert got.shape == (count, heads * dim) and got.dtype == torch.float32
     expected = reference(q, keys, values, start)
     assert (got.double() - expected).abs().max() < 2e-3 * expected.abs().max()  # a weight may round the other way
@@ -61,9 +68,9 @@ def test_the_tiles_compute_attention_over_bfloat16_roundings(start, count, heads
 def test_a_row_gets_the_same_bits_in_any_chunk():
     """Each row sums over its own keys in one order: the prompt's split into chunks does not change it."""
     q, keys, values = inputs(20, 60, 9, 3, 64, torch.float16, seed=1)
-    whole = prompt_attention.attend(q, keys, values, 20)
-    later = prompt_attention.attend(q[20:], keys, values, 40)  # rows 40..79 as a chunk of their own
-    alone = prompt_attention.attend(q[33:34], keys, values, 53)
+    whole = attend(q, keys, values, 20)
+    later = attend(q[20:], keys, values, 40)  # rows 40..79 as a chunk of their own
+    alone = attend(q[33:34], keys, values, 53)
     assert torch.equal(later, whole[20:]) and torch.equal(alone, whole[33:34])
 
 
@@ -73,8 +80,8 @@ def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeyp
     has them: monkeypatched away, PyTorch's attention); float32 activations keep PyTorch's float32 attention."""
     model = tiny_arch_model("llama", dtype=torch.float32)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations=activations)
-    calls, attend = [], prompt_attention.attend
-    monkeypatch.setattr(prompt_attention, "attend", lambda q, *rest: calls.append(q.shape[0]) or attend(q, *rest))
+    calls, tiles = [], prompt_attention.attend
+    monkeypatch.setattr(prompt_attention, "attend", lambda q, *rest: calls.append(q.shape[0]) or tiles(q, *rest))
     ids = list(range(3, 43))
     logits = lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True)])[0]
     assert calls == ([40] * 2 if activations == "q8" else [])  # once per layer (2)
