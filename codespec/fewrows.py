@@ -283,7 +283,7 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
         values = attention.dequantized(values[:, :end], False, wide[size : 2 * size].view(kv_heads, end, dim))
         k, v, wide = keys[:, start:].transpose(0, 1), values[:, start:].transpose(0, 1), None
     if apart.bfloat16:
-        out = prompt_attention.attend(q, k, v, keys, values, start)
+        out = prompt_attention.attend(q, k, v, keys, values, start, prompt_attention.kept(apart.cache, dim), layer)
     else:
         out = attention.attend_in_place(q, k, v, keys, values, start, apart.mask, wide)
     attended[apart.first : apart.first + apart.count] = out.view(apart.count, heads, dim).numpy()

@@ -97,6 +97,7 @@ class StaticCache:
         self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
         self.values = torch.zeros(self.shape, dtype=dtype, device=device)
         self.length = 0
+        self.laid = None  # prompt_attention.Laid: the keys and values as its tiles read them, while a prompt runs
 
     @property
     def capacity(self) -> int:
@@ -116,10 +117,16 @@ class StaticCache:
 
     def crop(self, new_len: int) -> None:
         self.length = min(self.length, new_len)
+        self.changed(new_len)
+
+    def changed(self, position: int) -> None:
+        """Positions from `position` on are rewritten (a crop, or keys and values moved there)."""
+        if self.laid is not None:
+            self.laid.changed(position)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes + (self.laid.nbytes if self.laid is not None else 0)
 
 
 class LeanLlama:
@@ -298,6 +305,7 @@ class LeanLlama:
         into = into if into is not None else cache
         if (into is cache and source == target) or count <= 0:
             return
+        into.changed(target)
         angles = (target - source) * self.inv_freq.double()  # [half]
         turn = torch.polar(torch.ones_like(angles), angles).to(self.device)  # e^(i shift theta)
         if self.few_rows_kernel:  # on CPUs: numba, in place
@@ -394,6 +402,8 @@ class LeanLlama:
             logits = self.lm_head(F.rms_norm(x[keep], (self.hidden,), self.norm, self.eps))  # [sum of keep, vocab]
         for r, end in zip(rows, ends):
             r.cache.length = end
+            if not r.prompt:  # decoding: the prompt's kept layouts go (as many bytes as the cache)
+                r.cache.laid = None
         return list(logits.split([r.keep for r in rows]))
 
 

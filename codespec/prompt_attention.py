@@ -21,7 +21,7 @@ one order (zero weights past its position add exact zeros), so the prompt's spli
 from __future__ import annotations
 
 import functools
-import threading
+import struct
 
 import numba
 import numpy as np
@@ -30,12 +30,17 @@ from numba import prange
 
 from .attention import _bits, _call, _widened
 from .attention_ir import VECTOR, running_sums, stored_sums
-from .llvmir import _exp_ir, compile_ir, splat
+from .llvmir import compile_ir, splat
 
 ROWS = 4  # query rows per tile
 KEYS = 32  # keys per step of `scores` (two blocks of 16); sequences are padded to a multiple
 DOT = "@llvm.x86.avx512bf16.dpbf16ps.512"
 BF16 = "<32 x bfloat>"
+# 2^f on [-1/2, 1/2]: a degree-5 polynomial fitted for relative error on Chebyshev nodes (within 1.5e-7; bfloat16's
+# weights keep 8 bits)
+EXP2 = (1.0000001192092896, 0.6931469440460205, 0.24022121727466583, 0.05550742521882057, 0.009675459936261177,
+        0.0013266970636323094)
+LOG2E = 1.4426950216293335  # float32(log2 e)
 
 
 def _broadcast(name: str, pointer: str, index: str) -> str:
@@ -98,54 +103,73 @@ def values_ir(dim: int) -> str:
     return text + stored_sums(ROWS, chunks, dim, "%step")
 
 
+def _float(value: float) -> str:
+    """A float32 constant as LLVM IR writes it (the double of the same value, in hex)."""
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", float(np.float32(value))))[0]
+
+
+def _exp(out: str, x: str) -> str:
+    """%out = exp(%x - top) for 16 floats, as 2^n (vscalefps, exact) times 2^f, f = t - n in [-1/2, 1/2] from
+    t = x log2(e) - %shift.s (%shift.s: top log2(e) in every lane)."""
+    v = VECTOR
+    text = (f"  %{out}.t = call {v} @llvm.fma.v16f32({v} {x}, {v} splat (float {_float(LOG2E)}), {v} %shift.s)\n"
+            f"  %{out}.n = call {v} @llvm.roundeven.v16f32({v} %{out}.t)\n  %{out}.f = fsub {v} %{out}.t, %{out}.n\n")
+    previous = f"splat (float {_float(EXP2[-1])})"
+    for i, term in enumerate(reversed(EXP2[:-1])):
+        text += f"  %{out}.p{i} = call {v} @llvm.fma.v16f32({v} {previous}, {v} %{out}.f, {v} splat (float {_float(term)}))\n"
+        previous = f"%{out}.p{i}"
+    return text + (f"  %{out} = call {v} @llvm.x86.avx512.mask.scalef.ps.512({v} {previous}, {v} %{out}.n, "
+                   f"{v} zeroinitializer, i16 -1, i32 4)\n")
+
+
 def softmax_ir() -> str:
-    """@psoftmax(s, valid, w, width, unused, unused): w[:valid] = softmax(s[:valid]) as bfloat16, w[valid:width] =
-    0 (width a multiple of 16); s[:valid] is overwritten. 16 lanes at a time, the last block masked: the row's sums
-    run over its own keys only."""
-    v, lanes = VECTOR, "<i64 " + ", i64 ".join(str(i) for i in range(16)) + ">"
+    """@psoftmax(s, valid, w, width, inverse, unused): w[:valid] = exp(s[:valid] - max) as bfloat16 (the largest
+    weight 1), w[valid:width] = 0 (width a multiple of 16), and inverse[0] = 1 / their sum (in float32, before the
+    rounding): the values tile's sums times it are the attention, one multiply per row and dimension instead of one
+    per weight. 16 lanes at a time; only the last, partial block is masked. The row's sums run over its own keys
+    only, in one order (the partial block first)."""
+    v, bf = VECTOR, "<16 x bfloat>"
+    lanes = "<i32 " + ", i32 ".join(str(i) for i in range(16)) + ">"
     minus = "splat (float 0xFFF0000000000000)"
-
-    def splat(name: str, scalar: str, kind: str, vector: str) -> str:
-        return (f"  %{name}.b = insertelement {vector} poison, {kind} {scalar}, i64 0\n"
-                f"  %{name} = shufflevector {vector} %{name}.b, {vector} poison, <16 x i32> zeroinitializer\n")
-
-    def masked(name: str, index: str) -> str:  # %name.x = s[index * 16..], %name.ok = its lanes before `valid`
-        return (f"  %{name}.o = mul i64 {index}, 16\n  %{name}.p = getelementptr float, ptr %s, i64 %{name}.o\n"
-                f"  %{name}.x = load {v}, ptr %{name}.p, align 4\n" + splat(f"{name}.s", f"%{name}.o", "i64", "<16 x i64>")
-                + f"  %{name}.l = add <16 x i64> %{name}.s, {lanes}\n"
-                f"  %{name}.ok = icmp ult <16 x i64> %{name}.l, %valid.s\n")
-
-    def loop(label: str, counter: str, start: str, body: str, after: str, phis: str = "") -> str:
-        return (f"{label}:\n  %{counter} = phi i64 [ 0, {start} ], [ %{counter}.next, %{label} ]\n{phis}{body}"
-                f"  %{counter}.next = add i64 %{counter}, 1\n  %{counter}.done = icmp eq i64 %{counter}.next, %blocks\n"
-                f"  br i1 %{counter}.done, label %{after}, label %{label}\n")
-
-    text = ("define void @psoftmax(ptr noalias %s, i64 %valid, ptr noalias %w, i64 %width, ptr noalias %unused, "
-            "i64 %unused2) {\nentry:\n  %v15 = add i64 %valid, 15\n  %blocks = udiv i64 %v15, 16\n"
-            + splat("valid.s", "%valid", "i64", "<16 x i64>") +
-            "  %none = icmp eq i64 %blocks, 0\n  br i1 %none, label %fill, label %top\n")
-    text += loop("top", "i", "%entry", masked("a", "%i") +
-                 f"  %a.y = select <16 x i1> %a.ok, {v} %a.x, {v} {minus}\n"
-                 f"  %m.next = call {v} @llvm.maxnum.v16f32({v} %m, {v} %a.y)\n", "top.end",
-                 f"  %m = phi {v} [ {minus}, %entry ], [ %m.next, %top ]\n")
-    text += (f"top.end:\n  %most = call float @llvm.vector.reduce.fmax.v16f32({v} %m.next)\n"
-             + splat("most.s", "%most", "float", v) + "  br label %exp\n")
-    text += loop("exp", "j", "%top.end", masked("b", "%j") + f"  %b.d = fsub {v} %b.x, %most.s\n" + _exp_ir("b.e", "%b.d")
-                 + f"  %b.z = select <16 x i1> %b.ok, {v} %b.e, {v} zeroinitializer\n"
-                 f"  store {v} %b.z, ptr %b.p, align 4\n  %t.next = fadd {v} %t, %b.z\n", "exp.end",
-                 f"  %t = phi {v} [ zeroinitializer, %top.end ], [ %t.next, %exp ]\n")
-    text += (f"exp.end:\n  %total = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, {v} %t.next)\n"
-             "  %inv = fdiv float 1.0, %total\n" + splat("inv.s", "%inv", "float", v) + "  br label %round\n")
-    text += loop("round", "k", "%exp.end", "  %c.o = mul i64 %k, 16\n  %c.p = getelementptr float, ptr %s, i64 %c.o\n"
-                 f"  %c.x = load {v}, ptr %c.p, align 4\n  %c.y = fmul {v} %c.x, %inv.s\n"
-                 f"  %c.h = fptrunc {v} %c.y to <16 x bfloat>\n"
-                 "  %c.q = getelementptr bfloat, ptr %w, i64 %c.o\n  store <16 x bfloat> %c.h, ptr %c.q, align 2\n",
-                 "fill")
-    return text + ("fill:\n  %from = mul i64 %blocks, 16\n  %empty = icmp uge i64 %from, %width\n"
-                   "  br i1 %empty, label %exit, label %zero\n"
+    text = ("define void @psoftmax(ptr noalias %s, i64 %valid, ptr noalias %w, i64 %width, ptr noalias %inverse, "
+            "i64 %unused) {\nentry:\n  %full = lshr i64 %valid, 4\n  %rest = and i64 %valid, 15\n"
+            "  %rest.nz = icmp ne i64 %rest, 0\n  %rest.any = zext i1 %rest.nz to i64\n  %rest.t = trunc i64 %rest to i32\n  %rest.i = insertelement <16 x i32> poison, i32 %rest.t, i64 0\n"
+            "  %rest.s = shufflevector <16 x i32> %rest.i, <16 x i32> poison, <16 x i32> zeroinitializer\n"
+            f"  %tail = icmp ult <16 x i32> {lanes}, %rest.s\n  %tail.o = shl i64 %full, 4\n"
+            "  %tail.p = getelementptr float, ptr %s, i64 %tail.o\n"
+            f"  %tail.x = call {v} @llvm.masked.load.v16f32.p0(ptr %tail.p, i32 4, <16 x i1> %tail, {v} {minus})\n"
+            "  %some = icmp ne i64 %full, 0\n  br i1 %some, label %top, label %top.end\n"
+            "top:\n  %i = phi i64 [ 0, %entry ], [ %i.next, %top ]\n"
+            f"  %m = phi {v} [ %tail.x, %entry ], [ %m.next, %top ]\n  %a.o = shl i64 %i, 4\n"
+            f"  %a.p = getelementptr float, ptr %s, i64 %a.o\n  %a.x = load {v}, ptr %a.p, align 4\n"
+            f"  %m.next = call {v} @llvm.maxnum.v16f32({v} %m, {v} %a.x)\n  %i.next = add i64 %i, 1\n"
+            "  %i.done = icmp eq i64 %i.next, %full\n  br i1 %i.done, label %top.end, label %top\n"
+            f"top.end:\n  %m.all = phi {v} [ %tail.x, %entry ], [ %m.next, %top ]\n"
+            f"  %most = call float @llvm.vector.reduce.fmax.v16f32({v} %m.all)\n"
+            f"  %shift = fmul float %most, {_float(-LOG2E)}\n"
+            f"  %shift.i = insertelement {v} poison, float %shift, i64 0\n"
+            f"  %shift.s = shufflevector {v} %shift.i, {v} poison, <16 x i32> zeroinitializer\n"
+            + _exp("t.e", "%tail.x") +
+            f"  %t.z = select <16 x i1> %tail, {v} %t.e, {v} zeroinitializer\n"
+            "  br i1 %some, label %exp, label %exp.end\n"
+            "exp:\n  %j = phi i64 [ 0, %top.end ], [ %j.next, %exp ]\n"
+            f"  %t = phi {v} [ %t.z, %top.end ], [ %t.next, %exp ]\n  %b.o = shl i64 %j, 4\n"
+            f"  %b.p = getelementptr float, ptr %s, i64 %b.o\n  %b.x = load {v}, ptr %b.p, align 4\n"
+            + _exp("b.e", "%b.x") +
+            f"  %b.h = fptrunc {v} %b.e to {bf}\n  %b.q = getelementptr bfloat, ptr %w, i64 %b.o\n"
+            f"  store {bf} %b.h, ptr %b.q, align 2\n  %t.next = fadd {v} %t, %b.e\n  %j.next = add i64 %j, 1\n"
+            "  %j.done = icmp eq i64 %j.next, %full\n  br i1 %j.done, label %exp.end, label %exp\n"
+            f"exp.end:\n  %t.all = phi {v} [ %t.z, %top.end ], [ %t.next, %exp ]\n"
+            f"  %total = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, {v} %t.all)\n"
+            "  %inv = fdiv float 1.0, %total\n  store float %inv, ptr %inverse, align 4\n"
+            "  br i1 %rest.nz, label %last, label %fill\n"
+            f"last:\n  %t.h = fptrunc {v} %t.z to {bf}\n  %t.q = getelementptr bfloat, ptr %w, i64 %tail.o\n"
+            f"  store {bf} %t.h, ptr %t.q, align 2\n  br label %fill\n"
+            "fill:\n  %blocks = add i64 %full, %rest.any\n  %from = shl i64 %blocks, 4\n")
+    return text + ("  %empty = icmp uge i64 %from, %width\n  br i1 %empty, label %exit, label %zero\n"
                    "zero:\n  %z = phi i64 [ %from, %fill ], [ %z.next, %zero ]\n"
                    "  %z.p = getelementptr bfloat, ptr %w, i64 %z\n"
-                   "  store <16 x bfloat> zeroinitializer, ptr %z.p, align 2\n"
+                   f"  store {bf} zeroinitializer, ptr %z.p, align 2\n"
                    "  %z.next = add i64 %z, 16\n  %z.done = icmp uge i64 %z.next, %width\n"
                    "  br i1 %z.done, label %exit, label %zero\nexit:\n  ret void\n}\n")
 
@@ -154,7 +178,9 @@ def softmax_ir() -> str:
 def kernels(dim: int) -> np.ndarray:
     """The addresses of @pscores, @pvalues and @psoftmax for head size `dim` (a multiple of 16), for this CPU."""
     declare = [f"{VECTOR} {DOT}({VECTOR}, {BF16}, {BF16})", f"{VECTOR} @llvm.maxnum.v16f32({VECTOR}, {VECTOR})",
-               f"{VECTOR} @llvm.minnum.v16f32({VECTOR}, {VECTOR})", f"{VECTOR} @llvm.floor.v16f32({VECTOR})",
+               f"{VECTOR} @llvm.fma.v16f32({VECTOR}, {VECTOR}, {VECTOR})", f"{VECTOR} @llvm.roundeven.v16f32({VECTOR})",
+               f"{VECTOR} @llvm.x86.avx512.mask.scalef.ps.512({VECTOR}, {VECTOR}, {VECTOR}, i16, i32)",
+               f"{VECTOR} @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, {VECTOR})",
                f"float @llvm.vector.reduce.fmax.v16f32({VECTOR})",
                f"float @llvm.vector.reduce.fadd.v16f32(float, {VECTOR})"]
     source = "".join(f"declare {d}\n" for d in declare) + scores_ir(dim) + values_ir(dim) + softmax_ir()
@@ -193,12 +219,14 @@ def _pair(low, high):
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-def _layout(keys, values, end, k, v):
-    """keys and values [kv_heads, >= end, dim] (float32, or float16 as its bits) as the tiles read them: k [kv_heads,
-    blocks, dim / 2, 16] and v [kv_heads, blocks * 8, dim] (uint32: two bfloat16), zero past `end`."""
-    kv_heads, blocks, dim = k.shape[0], k.shape[1], keys.shape[2]
+def _layout(keys, values, first, end, padded, k, v):
+    """Positions first.. (a multiple of 16) up to `padded` of keys and values [kv_heads, >= end, dim] (float32, or
+    float16 as its bits) as the tiles read them, into k [kv_heads, blocks, dim / 2, 16] and v [kv_heads, blocks * 8,
+    dim] (uint32: two bfloat16), zero from `end` on."""
+    kv_heads, dim = k.shape[0], keys.shape[2]
+    blocks = (padded - first) // 16
     for task in prange(kv_heads * blocks):
-        h, b = task // blocks, task % blocks
+        h, b = task // blocks, first // 16 + task % blocks
         for j in range(16):
             key = b * 16 + j
             if key < end:
@@ -217,12 +245,36 @@ def _layout(keys, values, end, k, v):
                 v[h, p, :] = 0
 
 
+class Laid:
+    """A cache's keys and values in the tiles' layouts, every layer, kept while a prompt's chunks run: a chunk lays
+    out its own keys and whatever the cache changed since (`changed`), not every key before it again (~0.2 s of a
+    3,525-token prefill). As many bytes as a float16 cache; forward.StaticCache drops it once its session decodes."""
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, dim: int):
+        capacity = (capacity + KEYS - 1) // KEYS * KEYS
+        self.k = np.empty((layers, kv_heads, capacity // 16, dim // 2, 16), dtype=np.uint32)
+        self.v = np.empty((layers, kv_heads, capacity // 2, dim), dtype=np.uint32)
+        self.laid = [0] * layers  # per layer: positions 0.. laid out as the cache holds them
+
+    @property
+    def capacity(self) -> int:
+        return self.v.shape[2] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def changed(self, position: int) -> None:
+        """The cache's keys and values from `position` on may differ from what was laid out."""
+        self.laid = [min(laid, position) for laid in self.laid]
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
-def _attend(q, keys, values, start, group, queries, out, scores, weights, sums, tiles):
+def _attend(q, keys, values, start, group, queries, out, scores, weights, sums, inverses, tiles):
     """Rows of q [kv_heads, padded rows, dim / 2] (int32: bfloat16 pairs; row r of KV head h is query r // group's
     head h * group + r % group, at position start + r // group) against keys [kv_heads, blocks, dim / 2, 16] and
     values [kv_heads, blocks * 8, dim] (int32, `tiles`' layouts) into out [queries, heads, dim]. Per thread:
-    scores [ROWS, width] float32, weights [ROWS, width] uint16, sums [ROWS, dim] float32."""
+    scores [ROWS, width] float32, weights [ROWS, width] uint16, sums [ROWS, dim] and inverses [ROWS] float32."""
     kv_heads, padded = q.shape[0], q.shape[1]
     dim = out.shape[2]
     per_head = padded // ROWS
@@ -234,16 +286,17 @@ def _attend(q, keys, values, start, group, queries, out, scores, weights, sums, 
         seen = start + last // group + 1  # keys the tile's last row sees
         blocks = (seen + KEYS - 1) // KEYS * 2
         width = blocks * 16
-        score, weight = scores[thread], weights[thread]
+        score, weight, inverse = scores[thread], weights[thread], inverses[thread]
         _call(tiles[0], q[h, first:].ctypes.data, width, keys[h].ctypes.data, blocks, score.ctypes.data, 0)
         for r in range(ROWS):
             valid = start + (first + r) // group + 1 if first + r < rows else 0
-            _call(tiles[2], score[r * width :].ctypes.data, valid, weight[r * width :].ctypes.data, width, 0, 0)
+            _call(tiles[2], score[r * width :].ctypes.data, valid, weight[r * width :].ctypes.data, width,
+                  inverse[r:].ctypes.data, 0)
         _call(tiles[1], weight.ctypes.data, width // 2, values[h].ctypes.data, width // 2, sums[thread].ctypes.data, 0)
         for r in range(ROWS):
             if first + r < rows:
                 i, g = (first + r) // group, (first + r) % group
-                out[i, h * group + g, :] = sums[thread, r, :dim]
+                out[i, h * group + g, :] = sums[thread, r, :dim] * inverse[r]
 
 
 def _elements(cache: torch.Tensor) -> np.ndarray:
@@ -256,45 +309,41 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).contiguous().view(torch.int32)
 
 
-def _arena(words: int) -> np.ndarray:
-    """A uint32 buffer of at least `words`, kept per thread and grown as needed. A fresh buffer of a megabyte or
-    more is a fresh mmap (memory.py sets that threshold in the server), and its page faults made a 3,525-token
-    prefill ~30% slower (3.9 -> 5.1-5.6 s)."""
-    kept = getattr(_KEPT, "arena", None)
-    if kept is None or kept.size < words:
-        kept = _KEPT.arena = np.empty(max(words, 2 * (kept.size if kept is not None else 0)), dtype=np.uint32)
-    return kept
-
-
-_KEPT = threading.local()
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           start: int) -> torch.Tensor:
+           start: int, laid: Laid | None = None, layer: int = 0) -> torch.Tensor:
     """As attention.attend_in_place: writes the chunk's k and v [count, kv_heads, dim] into the cache (keys, values
     [kv_heads, capacity, dim], any float dtype) at start.., then returns the causal grouped-query attention of q
-    [count, heads, dim] (float32, already scaled) against it, [count, heads * dim] float32."""
+    [count, heads, dim] (float32, already scaled) against it, [count, heads * dim] float32. `laid`: the cache's
+    kept layouts (layer `layer`'s are used and brought up to date), else made for this call."""
     count, heads, dim = q.shape
     keys[:, start : start + count] = k.transpose(0, 1)
     values[:, start : start + count] = v.transpose(0, 1)
     kv_heads, group = keys.shape[0], heads // keys.shape[0]
     end = start + count
+    if laid is None or laid.capacity < end:
+        laid, layer = Laid(1, kv_heads, end, dim), 0
     padded = (end + KEYS - 1) // KEYS * KEYS
+    _layout(_elements(keys), _elements(values), min(laid.laid[layer], start) // 16 * 16, end, padded, laid.k[layer],
+            laid.v[layer])
+    laid.laid[layer] = end
     threads = numba.get_num_threads()
-    layout, scratch = kv_heads * padded * dim // 2, threads * ROWS * padded  # words: k or v; scores or weights
-    arena = _arena(2 * layout + scratch + scratch // 2)
-    k = arena[:layout].reshape(kv_heads, padded // 16, dim // 2, 16)
-    v = arena[layout : 2 * layout].reshape(kv_heads, padded // 2, dim)
-    scores = arena[2 * layout : 2 * layout + scratch].view(np.float32).reshape(threads, ROWS * padded)
-    weights = arena[2 * layout + scratch : 2 * layout + scratch + scratch // 2].view(np.uint16).reshape(
-        threads, ROWS * padded)
-    _layout(_elements(keys), _elements(values), end, k, v)
     rows = count * group
     grouped = q.view(count, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, rows, dim)
     q_pairs = torch.zeros((kv_heads, (rows + ROWS - 1) // ROWS * ROWS, dim // 2), dtype=torch.int32)
     q_pairs[:, :rows] = _pairs(grouped)
     out = torch.empty((count, heads, dim), dtype=torch.float32)
+    scores = np.empty((threads, ROWS * padded), dtype=np.float32)
+    weights = np.empty((threads, ROWS * padded), dtype=np.uint16)
     sums = np.empty((threads, ROWS, dim), dtype=np.float32)
-    _attend(q_pairs.numpy(), k.view(np.int32), v.view(np.int32), start, group, count, out.numpy(), scores, weights,
-            sums, kernels(dim))
+    inverses = np.empty((threads, ROWS), dtype=np.float32)
+    _attend(q_pairs.numpy(), laid.k[layer].view(np.int32), laid.v[layer].view(np.int32), start, group, count,
+            out.numpy(), scores, weights, sums, inverses, kernels(dim))
     return out.view(count, heads * dim)
+
+
+def kept(cache, dim: int) -> Laid:
+    """`cache`'s (forward.StaticCache) kept layouts, made when it has none or has outgrown them."""
+    if cache.laid is None or cache.laid.capacity < cache.capacity:
+        layers, kv_heads = cache.shape[:2]
+        cache.laid = Laid(layers, kv_heads, cache.capacity, dim)
+    return cache.laid

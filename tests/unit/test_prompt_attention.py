@@ -15,7 +15,8 @@ def bfloat16(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference(q, keys, values, start):
-    """The attention the tiles compute, in float64 from the same bfloat16 roundings of q, k, v and the weights."""
+    """The attention the tiles compute, in float64 from the same bfloat16 roundings of q, k, v and the weights
+    (exp(score - max), largest 1), normalised by the sum of the weights before rounding."""
     count, heads, dim = q.shape
     group = heads // keys.shape[0]
     end = start + count
@@ -23,8 +24,10 @@ def reference(q, keys, values, start):
     v = bfloat16(values[:, :end].float()).repeat_interleave(group, 0)
     scores = torch.einsum("chd,hkd->hck", bfloat16(q), k)
     hidden = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
-    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-    return torch.einsum("hck,hkd->chd", bfloat16(weights.float()), v).reshape(count, heads * dim)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = torch.einsum("hck,hkd->chd", bfloat16(weights.float()), v) / weights.sum(-1).T[..., None]
+    return out.reshape(count, heads * dim)
 
 
 def pytorch(q, keys, values, start):
@@ -107,3 +110,40 @@ def test_a_prompts_split_into_chunks_does_not_change_its_logits(tmp_path):
     cache = lean.new_cache()
     parts = [lean.batch([Rows(cache, ids[i : i + 400], 400, prompt=True)])[0] for i in range(0, 1200, 400)]
     assert torch.equal(whole, torch.cat(parts))
+
+
+def test_kept_layouts_follow_crops_and_moves(tmp_path):
+    """A cache keeps its keys laid out for the tiles between prompt chunks (prompt_attention.Laid): after a crop and
+    another text, and after keys moved into it, a chunk gives the bits that a fresh cache holding the same keys
+    gives; decoding drops the layouts."""
+    model = tiny_arch_model("llama", dtype=torch.float32, context=2048)
+    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
+
+    def chunks(cache, ids, size=40):
+        return torch.cat([lean.batch([Rows(cache, ids[i : i + size], len(ids[i : i + size]), prompt=True)])[0]
+                          for i in range(0, len(ids), size)])
+
+    first, other, last = [(5 * i) % 200 + 3 for i in range(120)], [(11 * i) % 200 + 3 for i in range(60)], \
+        [(3 * i) % 200 + 3 for i in range(80)]
+    cache = lean.new_cache()
+    chunks(cache, first)
+    assert cache.laid is not None and cache.laid.laid == [120, 120]
+    cache.crop(50)  # the history was rewritten from position 50
+    assert cache.laid.laid == [50, 50]
+    got = chunks(cache, other + last)
+    fresh = lean.new_cache()
+    assert torch.equal(got, chunks(fresh, first[:50] + other + last)[50:])
+
+    donor = lean.new_cache()
+    chunks(donor, other)
+    lean.move(donor, 10, 60, 40, into=cache)  # 40 keys from another cache into positions 60..99
+    assert cache.laid.laid == [60, 60]
+    cache.length = 100
+    moved = chunks(cache, last)
+    twin = lean.new_cache()  # the same keys, laid out from scratch
+    twin.keys.copy_(cache.keys), twin.values.copy_(cache.values)
+    twin.length = 100
+    assert torch.equal(moved, chunks(twin, last))
+
+    lean.batch([Rows(cache, [7], 1)])  # decoding
+    assert cache.laid is None
