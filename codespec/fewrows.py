@@ -178,11 +178,12 @@ def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
                 qkv[r, n] += bias[n]
     half = rotary.shape[1]
     for r in range(rows):
-        for p in range(rotated // 2):
-            cos, sin = rotary[r, p % half, 0], rotary[r, p % half, 1]
-            a, b = qkv[r, 2 * p], qkv[r, 2 * p + 1]
-            qkv[r, 2 * p] = a * cos - b * sin
-            qkv[r, 2 * p + 1] = a * sin + b * cos
+        for head in range(0, rotated, 2 * half):  # (a loop per head: one over all pairs, p % half, ran 1.6x slower)
+            for p in range(half):
+                cos, sin = rotary[r, p, 0], rotary[r, p, 1]
+                a, b = qkv[r, head + 2 * p], qkv[r, head + 2 * p + 1]
+                qkv[r, head + 2 * p] = a * cos - b * sin
+                qkv[r, head + 2 * p + 1] = a * sin + b * cos
     return qkv
 
 
@@ -271,21 +272,24 @@ class Apart:
 
 def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarray, heads: int, kv_heads: int,
                   dim: int) -> None:
-    """The sequence's attention in PyTorch (which also writes its new keys and values) into `attended`."""
+    """The sequence's attention in PyTorch or prompt_attention's tiles (either also writes its new keys and values)
+    into `attended`."""
     rows = torch.from_numpy(qkv[apart.first : apart.first + apart.count]).view(apart.count, -1, dim)
     q, k, v = rows[:, :heads], rows[:, heads : heads + kv_heads], rows[:, heads + kv_heads :]
     keys, values, start, wide = apart.cache.keys[layer], apart.cache.values[layer], apart.cache.length, apart.wide
-    if keys.dtype == torch.int8:  # q8: written rounded, then the cache so far read as floats, as the kernel reads it
+    written = keys.dtype == torch.int8
+    if written:  # q8: written rounded, then the cache so far read as floats, as the kernel reads it
         end = start + apart.count
         attention.write_q8(keys.numpy(), values.numpy(), k.numpy(), v.numpy(), start)
         size = kv_heads * end * dim
         keys = attention.dequantized(keys[:, :end], True, wide[:size].view(kv_heads, end, dim))
         values = attention.dequantized(values[:, :end], False, wide[size : 2 * size].view(kv_heads, end, dim))
         k, v, wide = keys[:, start:].transpose(0, 1), values[:, start:].transpose(0, 1), None
-    if apart.bfloat16:
-        out = prompt_attention.attend(q, k, v, keys, values, start, prompt_attention.kept(apart.cache, dim), layer)
-    else:
-        out = attention.attend_in_place(q, k, v, keys, values, start, apart.mask, wide)
+    if apart.bfloat16:  # straight into `attended`
+        prompt_attention.attend(q, k, v, keys, values, start, prompt_attention.kept(apart.cache, dim), layer,
+                                attended[apart.first : apart.first + apart.count], write=not written)
+        return
+    out = attention.attend_in_place(q, k, v, keys, values, start, apart.mask, wide)
     attended[apart.first : apart.first + apart.count] = out.view(apart.count, heads, dim).numpy()
 
 

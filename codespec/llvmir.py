@@ -4,6 +4,8 @@ explicit 16-lane vectors where numba's own loops vectorise poorly."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 _ENGINES = []  # compiled code lives as long as its engine
@@ -34,44 +36,44 @@ def splat(name: str, pointer: str, vector: str, scalar: str) -> str:
             f"  %{name} = shufflevector {vector} %{name}.v, {vector} poison, <16 x i32> zeroinitializer\n")
 
 
-def _exp_ir(out: str, x: str) -> str:
-    """%out = exp(%x) for 16 floats, as Cephes' expf computes it (2^n times a degree-7 polynomial, within about
-    one unit in the last place): LLVM has no vector exp of its own (numba's loop calls expf once per element)."""
+# 2^f on [-1/2, 1/2]: a degree-5 polynomial fitted for relative error on Chebyshev nodes (within 1.5e-7)
+EXP2 = (1.0000001192092896, 0.6931469440460205, 0.24022121727466583, 0.05550742521882057, 0.009675459936261177,
+        0.0013266970636323094)
+LOG2E = 1.4426950216293335  # float32(log2 e)
+EXP_DECLARATIONS = ("declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n"
+                    "declare <16 x float> @llvm.roundeven.v16f32(<16 x float>)\n"
+                    "declare <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float>, <16 x float>, "
+                    "<16 x float>, i16, i32)\n")
+
+
+def constant(value: float) -> str:
+    """A float32 constant as LLVM IR writes it (the double of the same value, in hex)."""
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", float(np.float32(value))))[0]
+
+
+def exp_ir(out: str, x: str, shift: str = "zeroinitializer") -> str:
+    """%out = 2^(x log2(e) + shift) for 16 floats (shift: a vector, e.g. -max log2(e) for a softmax): 2^n exactly
+    (vscalefps, which also gives 0 and infinity past float's range) times 2^f, f = t - n in [-1/2, 1/2], as a
+    degree-5 polynomial in FMAs (within about 1e-6 where |t| < 20: t itself is rounded to float). LLVM has no vector
+    exp of its own (numba's loops call expf once per element). Needs EXP_DECLARATIONS."""
     v = "<16 x float>"
-    text = (f"  %{out}.c = call {v} @llvm.maxnum.v16f32({v} {x}, {v} splat (float -88.0))\n"
-            f"  %{out}.x = call {v} @llvm.minnum.v16f32({v} %{out}.c, {v} splat (float 88.0))\n"
-            f"  %{out}.t = fmul {v} %{out}.x, splat (float 0x3FF7154760000000)\n"  # log2(e)
-            f"  %{out}.h = fadd {v} %{out}.t, splat (float 0.5)\n"
-            f"  %{out}.n = call {v} @llvm.floor.v16f32({v} %{out}.h)\n"
-            f"  %{out}.a = fmul {v} %{out}.n, splat (float 0x3FE6300000000000)\n"  # ln 2 = 0.693359375
-            f"  %{out}.r1 = fsub {v} %{out}.x, %{out}.a\n"
-            f"  %{out}.b = fmul {v} %{out}.n, splat (float 0xBF2BD01060000000)\n"  # ... - 2.12194440e-4
-            f"  %{out}.r = fsub {v} %{out}.r1, %{out}.b\n  %{out}.z = fmul {v} %{out}.r, %{out}.r\n")
-    terms = ["0x3F2A0D2CE0000000", "0x3F56E879C0000000", "0x3F81112100000000", "0x3FA5553820000000",
-             "0x3FC5555540000000", "0x3FE0000000000000"]  # 1.9875691500E-4 .. 5.0000001201E-1
-    previous = f"splat (float {terms[0]})"
-    for i, term in enumerate(terms[1:]):
-        text += (f"  %{out}.p{i} = fmul {v} {previous}, %{out}.r\n"
-                 f"  %{out}.q{i} = fadd {v} %{out}.p{i}, splat (float {term})\n")
-        previous = f"%{out}.q{i}"
-    text += (f"  %{out}.y1 = fmul {v} {previous}, %{out}.z\n  %{out}.y2 = fadd {v} %{out}.y1, %{out}.r\n"
-             f"  %{out}.y = fadd {v} %{out}.y2, splat (float 1.0)\n"
-             f"  %{out}.i = fptosi {v} %{out}.n to <16 x i32>\n"
-             f"  %{out}.e = add <16 x i32> %{out}.i, splat (i32 127)\n"
-             f"  %{out}.s = shl <16 x i32> %{out}.e, splat (i32 23)\n"
-             f"  %{out}.p = bitcast <16 x i32> %{out}.s to {v}\n  %{out} = fmul {v} %{out}.y, %{out}.p\n")
-    return text
+    text = (f"  %{out}.t = call {v} @llvm.fma.v16f32({v} {x}, {v} splat (float {constant(LOG2E)}), {v} {shift})\n"
+            f"  %{out}.n = call {v} @llvm.roundeven.v16f32({v} %{out}.t)\n  %{out}.f = fsub {v} %{out}.t, %{out}.n\n")
+    previous = f"splat (float {constant(EXP2[-1])})"
+    for i, term in enumerate(reversed(EXP2[:-1])):
+        text += (f"  %{out}.p{i} = call {v} @llvm.fma.v16f32({v} {previous}, {v} %{out}.f, "
+                 f"{v} splat (float {constant(term)}))\n")
+        previous = f"%{out}.p{i}"
+    return text + (f"  %{out} = call {v} @llvm.x86.avx512.mask.scalef.ps.512({v} {previous}, {v} %{out}.n, "
+                   f"{v} zeroinitializer, i16 -1, i32 4)\n")
 
 
-SILU_IR = ("declare <16 x float> @llvm.maxnum.v16f32(<16 x float>, <16 x float>)\n"
-           "declare <16 x float> @llvm.minnum.v16f32(<16 x float>, <16 x float>)\n"
-           "declare <16 x float> @llvm.floor.v16f32(<16 x float>)\n"
-           "define void @silu_mul(ptr noalias %gate, i64 %inner) {\nentry:\n  br label %loop\nloop:\n"
+SILU_IR = (EXP_DECLARATIONS + "define void @silu_mul(ptr noalias %gate, i64 %inner) {\nentry:\n  br label %loop\nloop:\n"
            "  %i = phi i64 [ 0, %entry ], [ %i.next, %loop ]\n"
            "  %gp = getelementptr float, ptr %gate, i64 %i\n  %g = load <16 x float>, ptr %gp, align 4\n"
            "  %ui = add i64 %i, %inner\n  %up = getelementptr float, ptr %gate, i64 %ui\n"
            "  %u = load <16 x float>, ptr %up, align 4\n  %m = fneg <16 x float> %g\n"
-           + _exp_ir("e", "%m") +
+           + exp_ir("e", "%m") +
            "  %d = fadd <16 x float> %e, splat (float 1.0)\n  %s = fdiv <16 x float> %g, %d\n"
            "  %o = fmul <16 x float> %s, %u\n  store <16 x float> %o, ptr %gp, align 4\n"
            "  %i.next = add i64 %i, 16\n  %done = icmp uge i64 %i.next, %inner\n"

@@ -21,26 +21,20 @@ one order (zero weights past its position add exact zeros), so the prompt's spli
 from __future__ import annotations
 
 import functools
-import struct
 
 import numba
 import numpy as np
 import torch
 from numba import prange
 
-from .attention import _bits, _call, _widened
+from .attention import _bits, _call, _narrowed, _widened
 from .attention_ir import VECTOR, running_sums, stored_sums
-from .llvmir import compile_ir, splat
+from .llvmir import EXP_DECLARATIONS, LOG2E, compile_ir, constant, exp_ir, splat
 
 ROWS = 4  # query rows per tile
 KEYS = 32  # keys per step of `scores` (two blocks of 16); sequences are padded to a multiple
 DOT = "@llvm.x86.avx512bf16.dpbf16ps.512"
 BF16 = "<32 x bfloat>"
-# 2^f on [-1/2, 1/2]: a degree-5 polynomial fitted for relative error on Chebyshev nodes (within 1.5e-7; bfloat16's
-# weights keep 8 bits)
-EXP2 = (1.0000001192092896, 0.6931469440460205, 0.24022121727466583, 0.05550742521882057, 0.009675459936261177,
-        0.0013266970636323094)
-LOG2E = 1.4426950216293335  # float32(log2 e)
 
 
 def _broadcast(name: str, pointer: str, index: str) -> str:
@@ -103,25 +97,6 @@ def values_ir(dim: int) -> str:
     return text + stored_sums(ROWS, chunks, dim, "%step")
 
 
-def _float(value: float) -> str:
-    """A float32 constant as LLVM IR writes it (the double of the same value, in hex)."""
-    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", float(np.float32(value))))[0]
-
-
-def _exp(out: str, x: str) -> str:
-    """%out = exp(%x - top) for 16 floats, as 2^n (vscalefps, exact) times 2^f, f = t - n in [-1/2, 1/2] from
-    t = x log2(e) - %shift.s (%shift.s: top log2(e) in every lane)."""
-    v = VECTOR
-    text = (f"  %{out}.t = call {v} @llvm.fma.v16f32({v} {x}, {v} splat (float {_float(LOG2E)}), {v} %shift.s)\n"
-            f"  %{out}.n = call {v} @llvm.roundeven.v16f32({v} %{out}.t)\n  %{out}.f = fsub {v} %{out}.t, %{out}.n\n")
-    previous = f"splat (float {_float(EXP2[-1])})"
-    for i, term in enumerate(reversed(EXP2[:-1])):
-        text += f"  %{out}.p{i} = call {v} @llvm.fma.v16f32({v} {previous}, {v} %{out}.f, {v} splat (float {_float(term)}))\n"
-        previous = f"%{out}.p{i}"
-    return text + (f"  %{out} = call {v} @llvm.x86.avx512.mask.scalef.ps.512({v} {previous}, {v} %{out}.n, "
-                   f"{v} zeroinitializer, i16 -1, i32 4)\n")
-
-
 def softmax_ir() -> str:
     """@psoftmax(s, valid, w, width, inverse, unused): w[:valid] = exp(s[:valid] - max) as bfloat16 (the largest
     weight 1), w[valid:width] = 0 (width a multiple of 16), and inverse[0] = 1 / their sum (in float32, before the
@@ -146,16 +121,16 @@ def softmax_ir() -> str:
             "  %i.done = icmp eq i64 %i.next, %full\n  br i1 %i.done, label %top.end, label %top\n"
             f"top.end:\n  %m.all = phi {v} [ %tail.x, %entry ], [ %m.next, %top ]\n"
             f"  %most = call float @llvm.vector.reduce.fmax.v16f32({v} %m.all)\n"
-            f"  %shift = fmul float %most, {_float(-LOG2E)}\n"
+            f"  %shift = fmul float %most, {constant(-LOG2E)}\n"
             f"  %shift.i = insertelement {v} poison, float %shift, i64 0\n"
             f"  %shift.s = shufflevector {v} %shift.i, {v} poison, <16 x i32> zeroinitializer\n"
-            + _exp("t.e", "%tail.x") +
+            + exp_ir("t.e", "%tail.x", "%shift.s") +
             f"  %t.z = select <16 x i1> %tail, {v} %t.e, {v} zeroinitializer\n"
             "  br i1 %some, label %exp, label %exp.end\n"
             "exp:\n  %j = phi i64 [ 0, %top.end ], [ %j.next, %exp ]\n"
             f"  %t = phi {v} [ %t.z, %top.end ], [ %t.next, %exp ]\n  %b.o = shl i64 %j, 4\n"
             f"  %b.p = getelementptr float, ptr %s, i64 %b.o\n  %b.x = load {v}, ptr %b.p, align 4\n"
-            + _exp("b.e", "%b.x") +
+            + exp_ir("b.e", "%b.x", "%shift.s") +
             f"  %b.h = fptrunc {v} %b.e to {bf}\n  %b.q = getelementptr bfloat, ptr %w, i64 %b.o\n"
             f"  store {bf} %b.h, ptr %b.q, align 2\n  %t.next = fadd {v} %t, %b.e\n  %j.next = add i64 %j, 1\n"
             "  %j.done = icmp eq i64 %j.next, %full\n  br i1 %j.done, label %exp.end, label %exp\n"
@@ -178,12 +153,10 @@ def softmax_ir() -> str:
 def kernels(dim: int) -> np.ndarray:
     """The addresses of @pscores, @pvalues and @psoftmax for head size `dim` (a multiple of 16), for this CPU."""
     declare = [f"{VECTOR} {DOT}({VECTOR}, {BF16}, {BF16})", f"{VECTOR} @llvm.maxnum.v16f32({VECTOR}, {VECTOR})",
-               f"{VECTOR} @llvm.fma.v16f32({VECTOR}, {VECTOR}, {VECTOR})", f"{VECTOR} @llvm.roundeven.v16f32({VECTOR})",
-               f"{VECTOR} @llvm.x86.avx512.mask.scalef.ps.512({VECTOR}, {VECTOR}, {VECTOR}, i16, i32)",
                f"{VECTOR} @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, {VECTOR})",
                f"float @llvm.vector.reduce.fmax.v16f32({VECTOR})",
                f"float @llvm.vector.reduce.fadd.v16f32(float, {VECTOR})"]
-    source = "".join(f"declare {d}\n" for d in declare) + scores_ir(dim) + values_ir(dim) + softmax_ir()
+    source = EXP_DECLARATIONS + "".join(f"declare {d}\n" for d in declare) + scores_ir(dim) + values_ir(dim) + softmax_ir()
     return compile_ir(source, ["pscores", "pvalues", "psoftmax"])
 
 
@@ -300,45 +273,59 @@ def _attend(q, keys, values, start, group, queries, out, scores, weights, sums, 
 
 
 def _elements(cache: torch.Tensor) -> np.ndarray:
-    """A cache layer as numba reads it: float32, or float16 as its bits."""
-    return cache.view(torch.uint16).numpy() if cache.dtype == torch.float16 else cache.float().numpy()
+    """A cache layer as numba reads and writes it: float32, or float16 as its bits."""
+    if cache.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"the tiles take float16 or float32 caches, not {cache.dtype}")
+    return cache.view(torch.uint16).numpy() if cache.dtype == torch.float16 else cache.numpy()
 
 
-def _pairs(x: torch.Tensor) -> torch.Tensor:
-    """x [..., even] rounded to bfloat16, as int32 pairs [..., even / 2]."""
-    return x.to(torch.bfloat16).contiguous().view(torch.int32)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           start: int, laid: Laid | None = None, layer: int = 0) -> torch.Tensor:
-    """As attention.attend_in_place: writes the chunk's k and v [count, kv_heads, dim] into the cache (keys, values
-    [kv_heads, capacity, dim], any float dtype) at start.., then returns the causal grouped-query attention of q
-    [count, heads, dim] (float32, already scaled) against it, [count, heads * dim] float32. `laid`: the cache's
-    kept layouts (layer `layer`'s are used and brought up to date), else made for this call."""
+@numba.njit(parallel=True, cache=True, boundscheck=False)
+def _chunk(q, k, v, keys, values, start, write, laid_k, laid_v, laid_from, out, tiles, threads):
+    """`attend` in one call: the chunk's keys and values into the cache (when `write`), the cache laid out from
+    laid_from on, the queries as bfloat16 pairs grouped by KV head, the tiles into out [count, heads, dim] (scratch
+    for `threads` threads: numba.get_num_threads() here would keep numba from caching the function)."""
     count, heads, dim = q.shape
-    keys[:, start : start + count] = k.transpose(0, 1)
-    values[:, start : start + count] = v.transpose(0, 1)
-    kv_heads, group = keys.shape[0], heads // keys.shape[0]
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    if write:  # rounded as PyTorch assigns float32 to the cache's dtype
+        for i in prange(count):
+            for h in range(kv_heads):
+                for d in range(dim):
+                    keys[h, start + i, d] = _narrowed(np.float64(k[i, h, d]), keys[0, 0, 0])
+                    values[h, start + i, d] = _narrowed(np.float64(v[i, h, d]), values[0, 0, 0])
     end = start + count
-    if laid is None or laid.capacity < end:
-        laid, layer = Laid(1, kv_heads, end, dim), 0
     padded = (end + KEYS - 1) // KEYS * KEYS
-    _layout(_elements(keys), _elements(values), min(laid.laid[layer], start) // 16 * 16, end, padded, laid.k[layer],
-            laid.v[layer])
-    laid.laid[layer] = end
-    threads = numba.get_num_threads()
+    _layout(keys, values, laid_from // 16 * 16, end, padded, laid_k, laid_v)
     rows = count * group
-    grouped = q.view(count, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, rows, dim)
-    q_pairs = torch.zeros((kv_heads, (rows + ROWS - 1) // ROWS * ROWS, dim // 2), dtype=torch.int32)
-    q_pairs[:, :rows] = _pairs(grouped)
-    out = torch.empty((count, heads, dim), dtype=torch.float32)
+    pairs = np.zeros((kv_heads, (rows + ROWS - 1) // ROWS * ROWS, dim // 2), dtype=np.uint32)
+    for i in prange(count):
+        for head in range(heads):
+            for d in range(dim // 2):
+                pairs[head // group, i * group + head % group, d] = _pair(q[i, head, 2 * d], q[i, head, 2 * d + 1])
     scores = np.empty((threads, ROWS * padded), dtype=np.float32)
     weights = np.empty((threads, ROWS * padded), dtype=np.uint16)
     sums = np.empty((threads, ROWS, dim), dtype=np.float32)
     inverses = np.empty((threads, ROWS), dtype=np.float32)
-    _attend(q_pairs.numpy(), laid.k[layer].view(np.int32), laid.v[layer].view(np.int32), start, group, count,
-            out.numpy(), scores, weights, sums, inverses, kernels(dim))
-    return out.view(count, heads * dim)
+    _attend(pairs, laid_k, laid_v, start, group, count, out, scores, weights, sums, inverses, tiles)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           start: int, laid: Laid | None = None, layer: int = 0, out: np.ndarray | None = None,
+           write: bool = True) -> torch.Tensor:
+    """As attention.attend_in_place: writes the chunk's k and v [count, kv_heads, dim] into the cache (keys, values
+    [kv_heads, capacity, dim], float16 or float32) at start.. (unless not `write`; k, v float32), then returns the causal
+    grouped-query attention of q [count, heads, dim] (float32, already scaled) against it, [count, heads * dim]
+    float32, in `out` [count, heads, dim] when given. `laid`: the cache's kept layouts (layer `layer`'s are used and
+    brought up to date), else made for this call."""
+    count, heads, dim = q.shape
+    end = start + count
+    if laid is None or laid.capacity < end:
+        laid, layer = Laid(1, keys.shape[0], end, dim), 0
+    out = np.empty((count, heads, dim), dtype=np.float32) if out is None else out
+    _chunk(q.numpy(), k.numpy(), v.numpy(), _elements(keys), _elements(values), start, write, laid.k[layer],
+           laid.v[layer], min(laid.laid[layer], start), out, kernels(dim), numba.get_num_threads())
+    laid.laid[layer] = end
+    return torch.from_numpy(out).view(count, heads * dim)
 
 
 def kept(cache, dim: int) -> Laid:

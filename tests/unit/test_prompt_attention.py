@@ -43,7 +43,7 @@ def pytorch(q, keys, values, start):
 def attend(q, keys, values, start):
     """prompt_attention.attend for a cache that already holds the chunk's keys and values (written again)."""
     rows = slice(start, start + q.shape[0])
-    k, v = keys[:, rows].transpose(0, 1).clone(), values[:, rows].transpose(0, 1).clone()
+    k, v = keys[:, rows].transpose(0, 1).float(), values[:, rows].transpose(0, 1).float()
     return prompt_attention.attend(q, k, v, keys, values, start)
 
 
@@ -84,7 +84,8 @@ def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeyp
     model = tiny_arch_model("llama", dtype=torch.float32)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations=activations)
     calls, tiles = [], prompt_attention.attend
-    monkeypatch.setattr(prompt_attention, "attend", lambda q, *rest: calls.append(q.shape[0]) or tiles(q, *rest))
+    monkeypatch.setattr(prompt_attention, "attend",
+                        lambda q, *rest, **named: calls.append(q.shape[0]) or tiles(q, *rest, **named))
     ids = list(range(3, 43))
     logits = lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True)])[0]
     assert calls == ([40] * 2 if activations == "q8" else [])  # once per layer (2)
