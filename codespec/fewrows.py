@@ -320,6 +320,37 @@ def _layers(x, norms, biases, projections, eps, turn, table, scores, probabiliti
                                silu)
 
 
+@numba.njit(cache=True, boundscheck=False)
+def _prompt_layers(x, norms, biases, projections, eps, turn, keys, values, start, laid_k, laid_v, laid_from, attended,
+                   heads, kv_heads, silu, tiles, threads):
+    """Every layer over a prompt chunk x [rows, hidden] in place, its attention in prompt_attention's tiles against
+    its cache (keys, values [layers, kv_heads, capacity, dim]; laid_k, laid_v and laid_from: its kept layouts, see
+    prompt_attention.attend): the Python loop in `forward`, without its calls (~0.1 ms a layer)."""
+    rows, dim = x.shape[0], attended.shape[2]
+    for layer in range(len(projections) // 4):
+        qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], turn,
+                            (heads + kv_heads) * dim).reshape(rows, heads + 2 * kv_heads, dim)
+        prompt_attention._chunk(qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :],
+                                keys[layer], values[layer], start, True, laid_k[layer], laid_v[layer],
+                                laid_from[layer], attended, tiles, threads)
+        _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), projections[4 * layer + 1],
+                               norms[2 * layer + 1], eps, projections[4 * layer + 2], projections[4 * layer + 3],
+                               silu)
+
+
+def _prompt_chunk(weights: Weights, x: np.ndarray, turn: np.ndarray, cache, attended: np.ndarray, eps: float,
+                  heads: int, kv_heads: int, silu: int) -> None:
+    """A forward of one prompt chunk alone, attending in the tiles (a float16 or float32 cache): _prompt_layers."""
+    dim, start = attended.shape[2], cache.length
+    laid = prompt_attention.kept(cache, dim)
+    laid_from = np.array([min(done, start) for done in laid.laid], dtype=np.int64)
+    _prompt_layers(x, weights.norms, weights.biases, weights.projections, eps, turn,
+                   prompt_attention._elements(cache.keys), prompt_attention._elements(cache.values), start, laid.k,
+                   laid.v, laid_from, attended, heads, kv_heads, silu, prompt_attention.kernels(dim),
+                   numba.get_num_threads())
+    laid.laid = [start + x.shape[0]] * len(laid.laid)
+
+
 def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Optional[torch.Tensor], score_rows: int,
             width: int, apart: list[Apart], keep: list[int], eps: float, heads: int, kv_heads: int,
             dim: int) -> torch.Tensor:
@@ -342,6 +373,9 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
             _layers(x, weights.norms, weights.biases, weights.projections, eps, turn, table, scores, probabilities,
                     attended, heads, kv_heads, kernels, silu)
             return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
+    if table is None and len(apart) == 1 and apart[0].bfloat16 and apart[0].cache.keys.dtype != torch.int8:
+        _prompt_chunk(weights, x, turn, apart[0].cache, attended, eps, heads, kv_heads, silu)
+        return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
     for layer in range(len(weights.projections) // 4):
         qkv_w, o_w, gate_up_w, down_w = weights.projections[4 * layer : 4 * layer + 4]
         qkv = _attention_in(x, weights.norms[2 * layer], eps, qkv_w, weights.biases[layer], turn,

@@ -80,20 +80,30 @@ def test_a_row_gets_the_same_bits_in_any_chunk():
 @pytest.mark.parametrize("activations", ["q8", "float32"])
 def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeypatch, activations):
     """q8 activations: chunks of more than fewrows.FEW_ROWS prompt rows attend in the bfloat16 tiles (where the CPU
-    has them: monkeypatched away, PyTorch's attention); float32 activations keep PyTorch's float32 attention."""
+    has them: monkeypatched away, PyTorch's attention); float32 activations keep PyTorch's float32 attention. The
+    tiles leave their layouts on the cache."""
     model = tiny_arch_model("llama", dtype=torch.float32)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations=activations)
-    calls, tiles = [], prompt_attention.attend
-    monkeypatch.setattr(prompt_attention, "attend",
-                        lambda q, *rest, **named: calls.append(q.shape[0]) or tiles(q, *rest, **named))
     ids = list(range(3, 43))
-    logits = lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True)])[0]
-    assert calls == ([40] * 2 if activations == "q8" else [])  # once per layer (2)
+    cache = lean.new_cache()
+    logits = lean.batch([Rows(cache, ids, len(ids), prompt=True)])[0]
+    assert cache.laid.laid == [40, 40] if activations == "q8" else cache.laid is None  # (2 layers)
     monkeypatch.setattr(prompt_attention, "available", lambda: False)
-    calls.clear()
-    fallback = lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True)])[0]
-    assert calls == []
+    cache = lean.new_cache()
+    fallback = lean.batch([Rows(cache, ids, len(ids), prompt=True)])[0]
+    assert cache.laid is None
     assert (logits - fallback).abs().max() < 0.05 * fallback.abs().max()
+
+
+def test_prompt_chunks_batched_together_get_the_bits_they_get_alone(tmp_path):
+    """A prompt chunk alone runs its layers in one numba call (fewrows._prompt_layers); with another sequence in the
+    forward, layer by layer from Python (fewrows._attend_apart): the same numbers either way."""
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
+    first, second = list(range(3, 43)), [(7 * i) % 90 + 3 for i in range(30)]
+    alone = [lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True)])[0] for ids in (first, second)]
+    together = lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True) for ids in (first, second)])
+    assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
 
 
 def test_a_prompts_split_into_chunks_does_not_change_its_logits(tmp_path):
