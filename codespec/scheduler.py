@@ -208,6 +208,10 @@ class Scheduler:
             return fn(self.engine, *args, **kwargs)
         return self._call_future(fn, args, kwargs).result()
 
+    def call_soon(self, fn: Callable, *args, **kwargs) -> Future:
+        """`call` without waiting: fn(engine, ...) runs on the worker before its next step; its Future."""
+        return self._call_future(fn, args, kwargs)
+
     async def acall(self, fn: Callable, *args, **kwargs):
         """`call` for asyncio: awaits instead of blocking the event loop."""
         return await asyncio.wrap_future(self._call_future(fn, args, kwargs))

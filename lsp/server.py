@@ -152,7 +152,9 @@ class CodespecServer(LanguageServer):
             config = replace(self.model_config, model=model)
             engine = Engine.load(config, settings_module.spec_config(self.settings), show_progress=False)
             engine.cache_reuse = self.cache_reuse
-            self._loaded.set_result(Scheduler(engine))
+            scheduler = Scheduler(engine)
+            scheduler.call_soon(lambda engine: engine.costs)  # the cost table now, not in the first completion
+            self._loaded.set_result(scheduler)
         except BaseException as exc:  # reported to every request that needs the model
             logger.error("codespec: the model could not be loaded: %s", exc)
             self._loaded.set_exception(exc)

@@ -108,6 +108,9 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
     config.validate()
     engine.session_memory = config.session_memory
     scheduler = Scheduler(engine, config.max_queue, config.parallel)
+    # the adaptive cost table, on the worker's thread (its OpenMP team), now rather than in the first request: ~4 s
+    # on a machine that has none for this code yet (adaptive.cached_costs), a file read otherwise
+    costs = scheduler.call_soon(lambda engine: engine.costs)
     metrics = Metrics(scheduler)
     generations = Generations(scheduler, metrics, config, params or SamplingParams(), spec or engine.spec)
 
@@ -119,7 +122,7 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
     app = FastAPI(title="codespec", version=__version__, lifespan=lifespan, responses=ANY_ROUTE_ERRORS,
                   description="Lossless self-speculative decoding for coding assistants: llama.cpp-compatible "
                               "/infill and OpenAI-compatible completions.")
-    app.state.scheduler, app.state.metrics, app.state.engine = scheduler, metrics, engine
+    app.state.scheduler, app.state.metrics, app.state.engine, app.state.costs = scheduler, metrics, engine, costs
 
     # -- errors: every client mistake is a 4xx JSON body in one shape ------------------------------------------
 

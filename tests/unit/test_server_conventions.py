@@ -298,3 +298,14 @@ def test_include_usage_adds_openais_usage_chunk(server, path, body):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
     with server.stream("POST", path, json=body | {"max_tokens": 4, "stream": True}) as response:
         assert all(e == "[DONE]" or e["choices"] for e in sse_events(response))
+
+
+def test_the_server_measures_its_cost_table_before_any_request(engine):
+    """The adaptive cost table is measured on the engine's worker as the app is made (~4 s with the default model
+    on a machine with no table for this code), not in the first request."""
+    assert engine._costs is None
+    app = create_app(engine, ServerConfig())
+    try:
+        assert app.state.costs.result(timeout=120) is engine._costs is not None
+    finally:
+        app.state.scheduler.close()
