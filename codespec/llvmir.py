@@ -68,7 +68,8 @@ def exp_ir(out: str, x: str, shift: str = "zeroinitializer") -> str:
                    f"{v} zeroinitializer, i16 -1, i32 4)\n")
 
 
-SILU_IR = (EXP_DECLARATIONS + "define void @silu_mul(ptr noalias %gate, i64 %inner) {\nentry:\n  br label %loop\nloop:\n"
+SILU_IR = (EXP_DECLARATIONS
+           + "define void @silu_mul(ptr noalias %gate, i64 %inner) {\nentry:\n  br label %loop\nloop:\n"
            "  %i = phi i64 [ 0, %entry ], [ %i.next, %loop ]\n"
            "  %gp = getelementptr float, ptr %gate, i64 %i\n  %g = load <16 x float>, ptr %gp, align 4\n"
            "  %ui = add i64 %i, %inner\n  %up = getelementptr float, ptr %gate, i64 %ui\n"

@@ -8,8 +8,8 @@ float32's rate, and the tiles here keep it fed:
 - `scores`: 4 query rows x 32 keys per step, 8 sums in registers; the keys are laid out per block of 16 so that a
   vector holds one pair of dimensions of 16 keys (no adding down across lanes), and a query's pair is broadcast
   from memory. One thread: ~220 GFLOP/s (384 rows x 3,520 keys).
-- `softmax`: 16 lanes at a time over each row's own keys (the causal mask is each row's length), rounded to
-  bfloat16;
+- `softmax`: 16 lanes at a time over each row's own keys (the causal mask is each row's length): the maximum,
+  then exp(score - max) rounded to bfloat16 and summed; `values`' sums are divided by that sum once per row;
 - `values`: 4 rows x 64 dimensions in registers, a vector holding 16 dimensions of two consecutive keys.
 
 Rounding: queries, keys, values and the softmax's weights are bfloat16 (8 significant bits) going into sums kept
@@ -108,7 +108,8 @@ def softmax_ir() -> str:
     minus = "splat (float 0xFFF0000000000000)"
     text = ("define void @psoftmax(ptr noalias %s, i64 %valid, ptr noalias %w, i64 %width, ptr noalias %inverse, "
             "i64 %unused) {\nentry:\n  %full = lshr i64 %valid, 4\n  %rest = and i64 %valid, 15\n"
-            "  %rest.nz = icmp ne i64 %rest, 0\n  %rest.any = zext i1 %rest.nz to i64\n  %rest.t = trunc i64 %rest to i32\n  %rest.i = insertelement <16 x i32> poison, i32 %rest.t, i64 0\n"
+            "  %rest.nz = icmp ne i64 %rest, 0\n  %rest.any = zext i1 %rest.nz to i64\n"
+            "  %rest.t = trunc i64 %rest to i32\n  %rest.i = insertelement <16 x i32> poison, i32 %rest.t, i64 0\n"
             "  %rest.s = shufflevector <16 x i32> %rest.i, <16 x i32> poison, <16 x i32> zeroinitializer\n"
             f"  %tail = icmp ult <16 x i32> {lanes}, %rest.s\n  %tail.o = shl i64 %full, 4\n"
             "  %tail.p = getelementptr float, ptr %s, i64 %tail.o\n"
@@ -156,7 +157,8 @@ def kernels(dim: int) -> np.ndarray:
                f"{VECTOR} @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, {VECTOR})",
                f"float @llvm.vector.reduce.fmax.v16f32({VECTOR})",
                f"float @llvm.vector.reduce.fadd.v16f32(float, {VECTOR})"]
-    source = EXP_DECLARATIONS + "".join(f"declare {d}\n" for d in declare) + scores_ir(dim) + values_ir(dim) + softmax_ir()
+    source = (EXP_DECLARATIONS + "".join(f"declare {d}\n" for d in declare) + scores_ir(dim) + values_ir(dim)
+              + softmax_ir())
     return compile_ir(source, ["pscores", "pvalues", "psoftmax"])
 
 
@@ -244,9 +246,9 @@ class Laid:
 
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
 def _attend(q, keys, values, start, group, queries, out, scores, weights, sums, inverses, tiles):
-    """Rows of q [kv_heads, padded rows, dim / 2] (int32: bfloat16 pairs; row r of KV head h is query r // group's
+    """Rows of q [kv_heads, padded rows, dim / 2] (uint32: bfloat16 pairs; row r of KV head h is query r // group's
     head h * group + r % group, at position start + r // group) against keys [kv_heads, blocks, dim / 2, 16] and
-    values [kv_heads, blocks * 8, dim] (int32, `tiles`' layouts) into out [queries, heads, dim]. Per thread:
+    values [kv_heads, blocks * 8, dim] (uint32, `tiles`' layouts) into out [queries, heads, dim]. Per thread:
     scores [ROWS, width] float32, weights [ROWS, width] uint16, sums [ROWS, dim] and inverses [ROWS] float32."""
     kv_heads, padded = q.shape[0], q.shape[1]
     dim = out.shape[2]
@@ -313,10 +315,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
            start: int, laid: Laid | None = None, layer: int = 0, out: np.ndarray | None = None,
            write: bool = True) -> torch.Tensor:
     """As attention.attend_in_place: writes the chunk's k and v [count, kv_heads, dim] into the cache (keys, values
-    [kv_heads, capacity, dim], float16 or float32) at start.. (unless not `write`; k, v float32), then returns the causal
-    grouped-query attention of q [count, heads, dim] (float32, already scaled) against it, [count, heads * dim]
-    float32, in `out` [count, heads, dim] when given. `laid`: the cache's kept layouts (layer `layer`'s are used and
-    brought up to date), else made for this call."""
+    [kv_heads, capacity, dim], float16 or float32) at start.. (unless not `write`; k, v float32), then returns the
+    causal grouped-query attention of q [count, heads, dim] (float32, already scaled) against it, [count, heads *
+    dim] float32, in `out` [count, heads, dim] when given. `laid`: the cache's kept layouts (layer `layer`'s are
+    used and brought up to date), else made for this call."""
     count, heads, dim = q.shape
     end = start + count
     if laid is None or laid.capacity < end:
