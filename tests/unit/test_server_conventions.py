@@ -9,9 +9,11 @@ import httpx
 import pytest
 
 from codespec import cli
-from codespec.config import SamplingParams, ServerConfig
+from codespec.config import SamplingParams, ServerConfig, SpecConfig
+from codespec.engine import Engine
 from codespec.server import create_app
 from tests.serving import live_server, sse_events
+from tests.tiny import EOS
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
 LONG_SYSTEM = "You edit text. " + " ".join(f"line {i} of the context" for i in range(48))  # ~460 tokens
@@ -300,9 +302,11 @@ def test_include_usage_adds_openais_usage_chunk(server, path, body):
         assert all(e == "[DONE]" or e["choices"] for e in sse_events(response))
 
 
-def test_the_server_measures_its_cost_table_before_any_request(engine):
+def test_the_server_measures_its_cost_table_before_any_request(model, tokenizer, monkeypatch):
     """The adaptive cost table is measured on the engine's worker as the app is made (~4 s with the default model
     on a machine with no table for this code), not in the first request."""
+    monkeypatch.delenv("CODESPEC_COSTS", raising=False)  # the integration tests pin a table for every engine
+    engine = Engine(model, tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}))
     assert engine._costs is None
     app = create_app(engine, ServerConfig())
     try:
