@@ -394,10 +394,12 @@ def move_cached(keys: torch.Tensor, values: torch.Tensor, source: int, target: i
     if keys.dtype == torch.int8:  # q8
         _move_q8(keys.numpy(), values.numpy(), into_keys.numpy(), into_values.numpy(), source, target, count, turn)
         return
-    half = keys.dtype == torch.float16  # numba has no float16: as their bits
-    arrays = [t.view(torch.int16).numpy().view(np.uint16) if half else t.numpy()
-              for t in (keys, values, into_keys, into_values)]
-    _move(*arrays, source, target, count, turn)
+    _move(*(elements(t) for t in (keys, values, into_keys, into_values)), source, target, count, turn)
+
+
+def elements(cache: torch.Tensor) -> np.ndarray:
+    """A CPU cache tensor as numba reads and writes it: float16 as its bits (numba has no float16), else as is."""
+    return cache.view(torch.uint16).numpy() if cache.dtype == torch.float16 else cache.numpy()
 
 
 def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table: torch.Tensor, layer: int,

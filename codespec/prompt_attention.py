@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .attention import _bits, _call, _narrowed, _widened
+from .attention import _bits, _call, _widened, _write, elements
 from .attention_ir import VECTOR, running_sums, stored_sums
 from .llvmir import EXP_DECLARATIONS, LOG2E, compile_ir, constant, exp_ir, splat
 
@@ -278,7 +278,7 @@ def _elements(cache: torch.Tensor) -> np.ndarray:
     """A cache layer as numba reads and writes it: float32, or float16 as its bits."""
     if cache.dtype not in (torch.float16, torch.float32):
         raise ValueError(f"the tiles take float16 or float32 caches, not {cache.dtype}")
-    return cache.view(torch.uint16).numpy() if cache.dtype == torch.float16 else cache.numpy()
+    return elements(cache)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False)
@@ -289,12 +289,10 @@ def _chunk(q, k, v, keys, values, start, write, laid_k, laid_v, laid_from, out, 
     count, heads, dim = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    if write:  # rounded as PyTorch assigns float32 to the cache's dtype
-        for i in prange(count):
-            for h in range(kv_heads):
-                for d in range(dim):
-                    keys[h, start + i, d] = _narrowed(np.float64(k[i, h, d]), keys[0, 0, 0])
-                    values[h, start + i, d] = _narrowed(np.float64(v[i, h, d]), values[0, 0, 0])
+    if write:  # as the decoding kernel writes them: rounded as PyTorch assigns float32 to the cache's dtype
+        for h in prange(kv_heads):
+            _write(keys[h].ctypes.data, values[h].ctypes.data, keys.itemsize, np.ascontiguousarray(k[:, h]),
+                   np.ascontiguousarray(v[:, h]), start, dim)
     end = start + count
     padded = (end + KEYS - 1) // KEYS * KEYS
     _layout(keys, values, laid_from // 16 * 16, end, padded, laid_k, laid_v)
