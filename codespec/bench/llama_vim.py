@@ -12,7 +12,7 @@ past line 256 so the window slides), the user has just pressed Enter: the cursor
   (tokens_cached / prompt tokens) are the figures that matter;
 - instruct: `:LlamaInstruct` on a 20-line selection, its messages as llama.vim builds them (the selection with 256
   lines before and 64 after in the system message): the `n_predict: 0` warm-up, sent when the instruction prompt
-  opens, then the streamed instruction on Enter, 0, 1 or 2 s later or once the warm-up is done; the time from
+  opens, then the streamed instruction on Enter, 0, 0.5, 1 or 2 s later or once the warm-up is done; the time from
   Enter to the first streamed text. Cold (slot 1, nothing of it cached), then right after a FIM suggestion on an
   empty line inside the selection, in slot 0 (llama.vim's first instruction) and slot 1 (its second).
 
@@ -79,8 +79,9 @@ INSTRUCTION_SYSTEM = (  # llama#inst_build's system message, then the context, p
     "CONTEXT. Maintain the existing text indentation. Do not add extra code blocks. Respond only with the modified "
     "block. If the INSTRUCTION is a question, answer it directly. Do not output any extra separators. Consider the "
     "local context before (PREFIX) and after (SUFFIX) the SELECTION.\n")
-TYPING_SECONDS = (0.0, 1.0, 2.0, None)  # how long the instruction takes to type after the warm-up is sent; None: the
-# warm-up has finished (a slow typist)
+TYPING_SECONDS = (0.0, 0.5, 1.0, 2.0, None)  # how long the instruction takes to type after the warm-up is sent
+# (0.5 s: a one-word instruction by a fast typist; 0: Enter at the instant the prompt opens, a bound no person
+# reaches); None: the warm-up has finished (a slow typist)
 
 
 def instruction_messages(lines: list[str], l0: int, l1: int, extra: list[dict], instruction: str) -> list[dict]:
@@ -159,7 +160,7 @@ def run(client, positions: int) -> dict:
         clear_slot(client, slot)
     first_text = {"after warm-up" if typing is None else f"{typing:g} s typing":
                   instruct(client, source, typing) for typing in TYPING_SECONDS}
-    for typing in TYPING_SECONDS[:3]:  # right after a FIM suggestion inside the selection, as while editing there
+    for typing in (0.0, 1.0, 2.0):  # right after a FIM suggestion inside the selection, as while editing there
         first_text[f"{typing:g} s typing, after FIM"] = instruct(client, source, typing, 1, after_fim=True)
     first_text["0 s typing, after FIM, slot 0"] = instruct(client, source, 0.0, 0, after_fim=True)
     return {"rows": rows, "instruct_first_text_s": first_text}
