@@ -197,6 +197,13 @@ def test_a_damaged_cost_file_never_fails_a_request(tmp_path, monkeypatch):
     assert response.json()["choices"][0]["text"] == plain
 
 
+def printed_number(script: str, **env) -> int:
+    """What a fresh Python process running `script` (with `env` added to the environment) prints: one number."""
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True,
+                          check=True)
+    return int(done.stdout)
+
+
 FREED_BUFFERS = """
 import numpy as np
 from codespec.memory import return_freed_memory
@@ -212,12 +219,7 @@ print(int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20)
 def test_freed_buffers_go_back_to_the_system():
     """A server's per-request buffers of a few MB: with glibc's dynamic threshold the freed ones stay in the heap
     (RSS about 190 MB above the start here); with the fixed threshold they are unmapped."""
-    def rss_mb(**env):
-        done = subprocess.run([sys.executable, "-c", FREED_BUFFERS], env={**os.environ, **env}, capture_output=True,
-                              text=True, check=True)
-        return int(done.stdout)
-
-    kept, returned = rss_mb(CODESPEC_MMAP_THRESHOLD="0"), rss_mb()
+    kept, returned = printed_number(FREED_BUFFERS, CODESPEC_MMAP_THRESHOLD="0"), printed_number(FREED_BUFFERS)
     assert kept - returned > 150, (kept, returned)
 
 
@@ -240,12 +242,7 @@ def test_buffers_under_the_threshold_keep_their_pages_between_uses():
     at the top of a heap went back to the system and was faulted in again by the next (a prompt chunk's, ~2,400
     times a 3,539-token prefill). Now a heap keeps up to twice the mmap threshold at its top. The old setting, given
     to glibc by its own variable, is the baseline: 50 buffers of 900 KB cost ~9,400 page faults there, ~200 now."""
-    def page_faults(**env):
-        done = subprocess.run([sys.executable, "-c", REUSED_TOP], env={**os.environ, **env}, capture_output=True,
-                              text=True, check=True)
-        return int(done.stdout)
-
-    trimmed, kept = page_faults(MALLOC_TRIM_THRESHOLD_=str(128 << 10)), page_faults()
+    trimmed, kept = printed_number(REUSED_TOP, MALLOC_TRIM_THRESHOLD_=str(128 << 10)), printed_number(REUSED_TOP)
     assert trimmed > 5_000 and kept < 1_000, (trimmed, kept)
 
 
@@ -269,16 +266,11 @@ def test_onednn_and_ideep_keep_few_matmuls_so_new_batch_shapes_do_not_grow_memor
     """Every new number of rows in a batched forward compiles a new oneDNN primitive per weight shape, and ideep (the
     layer above it) caches a computation per input shape, each kept up to 1,024 by default (RSS grew for as long as a
     soak met new shapes: 130 MB over these 360 matmuls for ideep's, 200 MB for oneDNN's); codespec keeps few."""
-    def rss_mb(**env):
-        done = subprocess.run([sys.executable, "-c", MATMUL_SHAPES], env={**os.environ, **env}, capture_output=True,
-                              text=True, check=True)
-        return int(done.stdout)
-
     environment = {key: value for key, value in os.environ.items() if key != variable}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "environ", environment)
         import codespec.memory as memory
         memory.return_freed_memory()
         assert environment[variable] == str(getattr(memory, name))
-    default, bounded = rss_mb(**{variable: "1024"}), rss_mb()
+    default, bounded = printed_number(MATMUL_SHAPES, **{variable: "1024"}), printed_number(MATMUL_SHAPES)
     assert default - bounded > 60, (default, bounded)
