@@ -44,9 +44,8 @@ LRU_CACHE = 16  # ideep computations kept per thread (its default: 1,024); $LRU_
 def return_freed_memory() -> int:
     """Fix glibc's mmap threshold (and its trim threshold at twice that) and bound oneDNN's and ideep's caches, once
     at process start, before the first forward (both read their variables when they first create what they cache).
-    Returns the threshold set; 0 when
-    nothing was changed: not glibc (macOS, musl), $MALLOC_MMAP_THRESHOLD_ already set by the user (glibc read it
-    at start), or $CODESPEC_MMAP_THRESHOLD=0."""
+    Returns the threshold set; 0 when nothing was changed: not glibc (macOS, musl), $MALLOC_MMAP_THRESHOLD_ already
+    set by the user (glibc read it at start), or $CODESPEC_MMAP_THRESHOLD=0."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(LRU_CACHE))
     threshold = int(os.environ.get(ENVIRONMENT) or MMAP_THRESHOLD)

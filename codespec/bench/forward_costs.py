@@ -107,7 +107,8 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
     rows = []
     for name, path, size in paths:
         costs = measure_costs(path, vocab_size, sizes=SIZES, repeats=3)
-        rows.append({"path": name, "read_mb": float(f"{size / 1e6:.4g}"), "floor_ms": float(f"{size / bandwidth * 1e3:.3g}"),
+        rows.append({"path": name, "read_mb": float(f"{size / 1e6:.4g}"),
+                     "floor_ms": float(f"{size / bandwidth * 1e3:.3g}"),  # significant figures: a tiny model's is µs
                      "ms": {k: round(s * 1e3, 2) for k, s in zip(costs.sizes, costs.seconds)}})
         if progress is not None:
             progress.update()

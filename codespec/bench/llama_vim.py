@@ -82,6 +82,7 @@ INSTRUCTION_SYSTEM = (  # llama#inst_build's system message, then the context, p
 TYPING_SECONDS = (0.0, 0.5, 1.0, 2.0, None)  # how long the instruction takes to type after the warm-up is sent
 # (0.5 s: a one-word instruction by a fast typist; 0: Enter at the instant the prompt opens, a bound no person
 # reaches); None: the warm-up has finished (a slow typist)
+AFTER_FIM_TYPING_SECONDS = (0.0, 1.0, 2.0)  # the same right after a FIM suggestion inside the selection
 
 
 def instruction_messages(lines: list[str], l0: int, l1: int, extra: list[dict], instruction: str) -> list[dict]:
@@ -160,7 +161,7 @@ def run(client, positions: int) -> dict:
         clear_slot(client, slot)
     first_text = {"after warm-up" if typing is None else f"{typing:g} s typing":
                   instruct(client, source, typing) for typing in TYPING_SECONDS}
-    for typing in (0.0, 1.0, 2.0):  # right after a FIM suggestion inside the selection, as while editing there
+    for typing in AFTER_FIM_TYPING_SECONDS:  # as while editing there
         first_text[f"{typing:g} s typing, after FIM"] = instruct(client, source, typing, 1, after_fim=True)
     first_text["0 s typing, after FIM, slot 0"] = instruct(client, source, 0.0, 0, after_fim=True)
     return {"rows": rows, "instruct_first_text_s": first_text}
