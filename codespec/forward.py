@@ -479,8 +479,12 @@ def bfloat16_pays(packed: bool, rows: int = 128, size: int = 1024) -> bool:
     """Whether a prompt chunk's projection runs at least 1.4x faster in bfloat16 than in float32 on this CPU
     (with AVX512-BF16 or AMX: about 2x; without, bfloat16 is emulated and slower), timed once per process."""
     x, weight = torch.randn(rows, size), torch.randn(size, size)
+    try:
+        candidates = (bfloat16_weight(weight, packed), Linear(weight).packed if packed else weight)
+    except RuntimeError:  # oneDNN packs bfloat16 only with avx512bw/vl/dq or avx_ne_convert: none of it pays here
+        return False
     timings = []
-    for candidate in (bfloat16_weight(weight, packed), Linear(weight).packed if packed else weight):
+    for candidate in candidates:
         best = math.inf
         for _ in range(5):
             started = time.perf_counter()

@@ -4,11 +4,26 @@ explicit 16-lane vectors where numba's own loops vectorise poorly."""
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
 
 _ENGINES = []  # compiled code lives as long as its engine
+
+
+@functools.cache
+def host_has(feature: str) -> bool:
+    """Whether this CPU has `feature` as LLVM names it ("avx512vnni", "avx512bf16", ...): a tile that uses an
+    instruction of that set is compiled only where this says so (LLVM aborts the process on an intrinsic its target
+    lacks)."""
+    try:
+        import llvmlite.binding as llvm
+
+        llvm.initialize_native_target()
+        return bool(llvm.get_host_cpu_features().get(feature, False))
+    except Exception:  # noqa: BLE001 - no llvmlite, or a target it does not know: the PyTorch paths instead
+        return False
 
 
 def compile_ir(source: str, names: list[str]) -> np.ndarray:
@@ -42,8 +57,8 @@ EXP2 = (1.0000001192092896, 0.6931469440460205, 0.24022121727466583, 0.055507425
 LOG2E = 1.4426950216293335  # float32(log2 e)
 EXP_DECLARATIONS = ("declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n"
                     "declare <16 x float> @llvm.roundeven.v16f32(<16 x float>)\n"
-                    "declare <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float>, <16 x float>, "
-                    "<16 x float>, i16, i32)\n")
+                    "declare <16 x i32> @llvm.smax.v16i32(<16 x i32>, <16 x i32>)\n"
+                    "declare <16 x i32> @llvm.smin.v16i32(<16 x i32>, <16 x i32>)\n")
 
 
 def constant(value: float) -> str:
@@ -52,20 +67,27 @@ def constant(value: float) -> str:
 
 
 def exp_ir(out: str, x: str, shift: str = "zeroinitializer") -> str:
-    """%out = 2^(x log2(e) + shift) for 16 floats (shift: a vector, e.g. -max log2(e) for a softmax): 2^n exactly
-    (vscalefps, which also gives 0 and infinity past float's range) times 2^f, f = t - n in [-1/2, 1/2], as a
-    degree-5 polynomial in FMAs (within about 1e-6 where |t| < 20: t itself is rounded to float). LLVM has no vector
-    exp of its own (numba's loops call expf once per element). Needs EXP_DECLARATIONS."""
+    """%out = 2^(x log2(e) + shift) for 16 floats (shift: a vector, e.g. -max log2(e) for a softmax): 2^n times 2^f,
+    f = t - n in [-1/2, 1/2] as a degree-5 polynomial in FMAs (within about 1e-6 where |t| < 20: t itself is rounded
+    to float). 2^n is built from its exponent bits, n clamped to [-127, 128]: below float's normal range that is 0,
+    above it infinity (as vscalefps gives, apart from denormal results, which no softmax or SiLU sum can see). Plain
+    IR, so it compiles for any target (AVX-512, AVX2, NEON). LLVM has no vector exp of its own (numba's loops call
+    expf once per element). Needs EXP_DECLARATIONS."""
     v = "<16 x float>"
+    i = "<16 x i32>"
     text = (f"  %{out}.t = call {v} @llvm.fma.v16f32({v} {x}, {v} splat (float {constant(LOG2E)}), {v} {shift})\n"
-            f"  %{out}.n = call {v} @llvm.roundeven.v16f32({v} %{out}.t)\n  %{out}.f = fsub {v} %{out}.t, %{out}.n\n")
+            f"  %{out}.n = call {v} @llvm.roundeven.v16f32({v} %{out}.t)\n  %{out}.f = fsub {v} %{out}.t, %{out}.n\n"
+            f"  %{out}.nc = fptosi {v} %{out}.n to {i}\n"  # out of i32's range (|t| >= 2^31, or NaN): poison, clamped
+            f"  %{out}.lo = call {i} @llvm.smax.v16i32({i} %{out}.nc, {i} splat (i32 -127))\n"
+            f"  %{out}.ni = call {i} @llvm.smin.v16i32({i} %{out}.lo, {i} splat (i32 128))\n"
+            f"  %{out}.nb = add {i} %{out}.ni, splat (i32 127)\n  %{out}.ns = shl {i} %{out}.nb, splat (i32 23)\n"
+            f"  %{out}.two = bitcast {i} %{out}.ns to {v}\n")
     previous = f"splat (float {constant(EXP2[-1])})"
-    for i, term in enumerate(reversed(EXP2[:-1])):
-        text += (f"  %{out}.p{i} = call {v} @llvm.fma.v16f32({v} {previous}, {v} %{out}.f, "
+    for k, term in enumerate(reversed(EXP2[:-1])):
+        text += (f"  %{out}.p{k} = call {v} @llvm.fma.v16f32({v} {previous}, {v} %{out}.f, "
                  f"{v} splat (float {constant(term)}))\n")
-        previous = f"%{out}.p{i}"
-    return text + (f"  %{out} = call {v} @llvm.x86.avx512.mask.scalef.ps.512({v} {previous}, {v} %{out}.n, "
-                   f"{v} zeroinitializer, i16 -1, i32 4)\n")
+        previous = f"%{out}.p{k}"
+    return text + f"  %{out} = fmul {v} {previous}, %{out}.two\n"
 
 
 SILU_IR = (EXP_DECLARATIONS

@@ -29,7 +29,7 @@ from numba import prange
 
 from .attention import _bits, _call, _widened, _write, elements
 from .attention_ir import VECTOR, running_sums, stored_sums
-from .llvmir import EXP_DECLARATIONS, LOG2E, compile_ir, constant, exp_ir, splat
+from .llvmir import EXP_DECLARATIONS, LOG2E, compile_ir, constant, exp_ir, host_has, splat
 
 ROWS = 4  # query rows per tile
 KEYS = 32  # keys per step of `scores` (two blocks of 16); sequences are padded to a multiple
@@ -171,13 +171,7 @@ def fits(dim: int) -> bool:
 @functools.cache
 def available() -> bool:
     """Whether this CPU multiplies bfloat16 pairs (AVX512-BF16: Zen 4, Sapphire Rapids and later)."""
-    try:
-        import llvmlite.binding as llvm
-
-        llvm.initialize_native_target()
-        return "+avx512bf16" in llvm.get_host_cpu_features().flatten().split(",")
-    except Exception:  # noqa: BLE001 - no llvmlite, or a target it does not know: PyTorch's attention instead
-        return False
+    return host_has("avx512bf16")
 
 
 @numba.njit(inline="always", fastmath=True, cache=True)

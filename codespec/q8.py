@@ -32,7 +32,7 @@ from numba import prange
 from numba.core import types
 from numba.extending import intrinsic
 
-from .llvmir import compile_ir, splat
+from .llvmir import compile_ir, host_has, splat
 
 COLUMNS = 16  # output columns a tile computes (one 16-lane vector)
 MAX_ROWS = 8  # the most rows a tile takes: each step's weights serve them all
@@ -111,10 +111,7 @@ DECLARATIONS = ("declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float
 @functools.cache
 def available() -> bool:
     """Whether this CPU has the 512-bit VNNI instructions the tiles use."""
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    return bool(llvm.get_host_cpu_features().get("avx512vnni", False))
+    return host_has("avx512vnni")
 
 
 @functools.cache
