@@ -456,7 +456,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: Optional[
     narrow = weight.dtype != dtype
     if narrow:
         x = x.to(weight.dtype)
-    if packed:
+    if packed and weight.is_mkldnn:  # (a bfloat16 weight oneDNN could not pack on this CPU is plain)
         no_scalars: List[Optional[Union[int, float, complex]]] = []
         y = torch.ops.mkldnn._linear_pointwise(x, weight, None if narrow else bias, "none", no_scalars, "")
     else:
@@ -469,9 +469,20 @@ def project(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: Optional[
 
 
 def bfloat16_weight(weight: torch.Tensor, packed: bool) -> torch.Tensor:
-    """A projection's weight rounded to bfloat16, pre-packed for oneDNN when the float32 ones are."""
+    """A projection's weight rounded to bfloat16, pre-packed for oneDNN when the float32 ones are and this CPU's
+    oneDNN packs bfloat16 (else plain: PyTorch's bfloat16 GEMM)."""
     weight = weight.to(torch.bfloat16)
-    return torch.ops.mkldnn._reorder_linear_weight(weight) if packed else weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight) if packed and bfloat16_packs() else weight
+
+
+@functools.cache
+def bfloat16_packs() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU (it needs avx512bw/vl/dq or avx_ne_convert)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.cache
@@ -479,12 +490,8 @@ def bfloat16_pays(packed: bool, rows: int = 128, size: int = 1024) -> bool:
     """Whether a prompt chunk's projection runs at least 1.4x faster in bfloat16 than in float32 on this CPU
     (with AVX512-BF16 or AMX: about 2x; without, bfloat16 is emulated and slower), timed once per process."""
     x, weight = torch.randn(rows, size), torch.randn(size, size)
-    try:
-        candidates = (bfloat16_weight(weight, packed), Linear(weight).packed if packed else weight)
-    except RuntimeError:  # oneDNN packs bfloat16 only with avx512bw/vl/dq or avx_ne_convert: none of it pays here
-        return False
     timings = []
-    for candidate in candidates:
+    for candidate in (bfloat16_weight(weight, packed), Linear(weight).packed if packed else weight):
         best = math.inf
         for _ in range(5):
             started = time.perf_counter()
