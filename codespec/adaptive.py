@@ -7,6 +7,12 @@ yields 1 + alpha + ... + alpha^k tokens on average for cost(pending + k); `choos
 decoding) with the most tokens per second. A held-back draft still teaches: the target's own next token
 is compared with the first draft token it did not verify, so a drafter that was switched off is switched
 back on as soon as it would pay again. With exact costs and alpha, speculation is never slower.
+
+The forward is not the whole step. At a 3 ms forward, the host's own work per step (the sampler, the session's
+bookkeeping, the drafters' learning) and each drafter's drafting are as large as what a marginal draft saves, so
+both are measured as generation runs (`DraftingCosts`, shared by the engine's sessions): the host work is part of
+every step's price in `allocate`, and a drafter whose calls save less than they cost (mostly empty drafts, or
+drafts too poor to verify) is held back, then probed at growing intervals, as a draft model is.
 """
 
 from __future__ import annotations
@@ -207,16 +213,16 @@ class Acceptance:
 
 
 def choose(costs: CostModel, alpha: float, available: int, pending: int, draft_cost: float = 0.0,
-           keys: int | None = None) -> int:
+           keys: int | None = None, host: float = 0.0) -> int:
     """The number of draft tokens (0..available) that maximises expected tokens per second; draft_cost is
     the seconds drafting one more token costs (a draft model's forward; n-gram drafts are free); keys: the tokens
-    the session's cache holds (None: as many as the cost table's)."""
-    return allocate(costs, [(alpha, available, keys)], pending, 1, draft_cost=draft_cost)[0]
+    the session's cache holds (None: as many as the cost table's); host: the step's seconds outside the forward."""
+    return allocate(costs, [(alpha, available, keys)], pending, 1, draft_cost=draft_cost, host=host)[0]
 
 
 def allocate(costs: CostModel, proposals: list[tuple[float, int, int | None]], rows: int, generating: int,
              sequences: int = 1, keys: int | None = None, row_keys: int | None = None,
-             draft_cost: float = 0.0) -> list[int]:
+             draft_cost: float = 0.0, host: float = 0.0) -> list[int]:
     """choose() for a batch. A forward over `rows` tokens of `sequences` sequences (whose caches hold `keys` tokens,
     `row_keys` = rows x cached tokens summed over them) gives `generating` sessions one token each; each proposal
     is a drafter's acceptance rate alpha, the draft tokens it offers and the tokens its session's cache holds (a
@@ -224,8 +230,10 @@ def allocate(costs: CostModel, proposals: list[tuple[float, int, int | None]], r
     the cost table's). Verifying the j-th token of a draft adds one row and alpha^j expected tokens, so the best
     rows to add are those with the most expected tokens per second of the row's own cost (each draft's in order, as
     alpha^j falls with j): take them in that order and stop where the batch yields the most tokens per second.
-    Returns the tokens each proposal verifies. Speculating never makes the batch slower than the same batch without
-    drafts, and one proposal with rows = its pending tokens is exactly choose()."""
+    `host`: the seconds the step costs outside the forward whatever it verifies (every session's host work), which
+    a token more per step spreads thinner. Returns the tokens each proposal verifies. Speculating never makes the
+    batch slower than the same batch without drafts, and one proposal with rows = its pending tokens is exactly
+    choose()."""
     known = keys is not None or all(p[2] is not None for p in proposals)
     cached = [costs.context if p[2] is None else p[2] for p in proposals]  # each proposal's cache
     if known:
@@ -234,8 +242,8 @@ def allocate(costs: CostModel, proposals: list[tuple[float, int, int | None]], r
 
     def seconds(extra: int, extra_keys: int) -> float:
         if not known:
-            return costs.cost(rows + extra, sequences)
-        return costs.cost(rows + extra, sequences, keys, row_keys + extra_keys)
+            return costs.cost(rows + extra, sequences) + host
+        return costs.cost(rows + extra, sequences, keys, row_keys + extra_keys) + host
 
     plain = seconds(0, 0)
     slope = max(seconds(1, 0) - plain, 1e-9)
@@ -261,13 +269,24 @@ def allocate(costs: CostModel, proposals: list[tuple[float, int, int | None]], r
 
 
 @dataclass
-class ModelDrafting:
-    """What a model drafter costs on this device and how it has done lately, shared by every session of an
-    engine: a new session starts from it rather than paying again to learn that a draft model does not pay."""
+class DraftingCosts:
+    """What a step costs beyond the forward on this machine, and how model drafters have done lately, shared by
+    every session of an engine: a new session starts from it rather than paying again to learn it."""
 
-    seconds: dict[str, float] = field(default_factory=dict)  # per drafted token
+    LEARN = 0.1  # weight of each new measurement in the host and call times (about the last ten count)
+
+    seconds: dict[str, float] = field(default_factory=dict)  # a model drafter's seconds per drafted token
     catch_up: dict[str, float] = field(default_factory=dict)  # one sync of a held-back drafter's cache
-    acceptance: dict[str, Acceptance] = field(default_factory=dict)  # fading evidence over all sessions
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)  # a model drafter's evidence over all sessions
+    calls: dict[str, float] = field(default_factory=dict)  # an n-gram drafter's seconds per call (its draft())
+    host: float = 0.0  # a step's seconds outside the forward and the drafters' draft() calls
+
+    def observe_call(self, drafter: str, seconds: float) -> None:
+        previous = self.calls.get(drafter)
+        self.calls[drafter] = seconds if previous is None else previous + self.LEARN * (seconds - previous)
+
+    def observe_host(self, seconds: float) -> None:
+        self.host = seconds if self.host == 0.0 else self.host + self.LEARN * (seconds - self.host)
 
 
 @dataclass
@@ -280,11 +299,13 @@ class Adaptive:
     LEARN = 0.2  # weight of each new draft in a drafter's per-token drafting time
 
     costs: CostModel
-    shared: ModelDrafting = field(default_factory=ModelDrafting)
+    shared: DraftingCosts = field(default_factory=DraftingCosts)
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     probe_wait: dict[str, int] = field(default_factory=dict)  # skipped steps before a model drafter's next probe
     probe_countdown: dict[str, int] = field(default_factory=dict)
     held_back: set[str] = field(default_factory=set)  # model drafters whose cache fell behind the history
+    savings: dict[str, float] = field(default_factory=dict)  # an n-gram drafter's seconds saved per call, fading
+    calls: dict[str, int] = field(default_factory=dict)  # an n-gram drafter's calls in this session
 
     def draft_limit(self, pending: int, keys: int | None = None):
         """limit(name, available) for Chain.draft: how many tokens a model drafter should draft at all, its
@@ -293,13 +314,13 @@ class Adaptive:
         missed, a cost that choose() does not see, and probes are spaced to keep that cost small."""
         def limit(drafter: str, available: int) -> int:
             if drafter not in MODEL_DRAFTERS:
-                return available
+                return available if self.pays_to_call(drafter) else 0
             seconds = self.shared.seconds.get(drafter)
             if seconds is None:  # not timed yet: drafting two tokens measures what one more costs
                 return min(available, 2)
             evidence = self.of(drafter)
             tokens = 0 if drafter in self.held_back else choose(self.costs, evidence.alpha, available, pending, seconds,
-                                                                         keys)
+                                                                         keys, self.shared.host)
             if tokens == 0:
                 evidence.skipped += 1
                 countdown = self.probe_countdown.get(drafter)
@@ -317,11 +338,43 @@ class Adaptive:
             return tokens
         return limit
 
+    CALL_EVIDENCE = 4  # a session judges an n-gram drafter's calls after this many (its first drafts teach alpha)
+    CALL_PROBE = 4  # an n-gram drafter held back is called again after this many steps (or more, where its call
+    # would cost over PROBE_SHARE of the steps in between), to notice when its drafts turn right
+
+    def pays_to_call(self, drafter: str) -> bool:
+        """Whether an n-gram drafter's calls have lately saved more than they cost (draft() time against the
+        step time its accepted tokens saved); one that does not is skipped but for a probe every CALL_PROBE steps."""
+        cost, saving = self.shared.calls.get(drafter), self.savings.get(drafter)
+        if cost is None or saving is None or saving >= cost or self.calls.get(drafter, 0) < self.CALL_EVIDENCE:
+            self.probe_countdown.pop(drafter, None)
+            return True
+        step = self.costs.cost(1) + self.shared.host
+        countdown = self.probe_countdown.get(drafter, max(self.CALL_PROBE, math.ceil(cost / (self.PROBE_SHARE * step))))
+        self.probe_countdown[drafter] = countdown - 1
+        if countdown > 1:
+            return False
+        del self.probe_countdown[drafter]
+        return True
+
+    def observe_calls(self, called: list[tuple[str, float]], winner: str | None, saved: float) -> None:
+        """One step's drafter calls (name, seconds of its draft()) in chain order; `winner` drafted and its draft
+        saved `saved` seconds (the accepted tokens' share of a step less the verified rows' own cost), the others
+        saved nothing. Model drafters are timed by observe_draft instead."""
+        for drafter, seconds in called:
+            if drafter in MODEL_DRAFTERS:
+                continue
+            self.shared.observe_call(drafter, seconds)
+            self.calls[drafter] = self.calls.get(drafter, 0) + 1
+            value = saved if drafter == winner else 0.0
+            previous = self.savings.get(drafter)
+            self.savings[drafter] = value if previous is None else previous + DraftingCosts.LEARN * (value - previous)
+
     def probe_interval(self, drafter: str, pending: int, wait: int) -> int:
         """Steps until the next probe: `wait`, or more when a probe (a sync of the drafter's cache, then one
         token) would cost more than PROBE_SHARE of the plain steps in between."""
         probe = self.shared.catch_up.get(drafter, 0.0) + self.shared.seconds.get(drafter, 0.0)
-        return max(wait, math.ceil(probe / (self.PROBE_SHARE * self.costs.cost(max(pending, 1)))))
+        return max(wait, math.ceil(probe / (self.PROBE_SHARE * (self.costs.cost(max(pending, 1)) + self.shared.host))))
 
     def observe_draft(self, drafter: str, tokens: int, seconds: float, catch_up_seconds: float = 0.0) -> None:
         """A drafter took `seconds` to draft `tokens` tokens after `catch_up_seconds` syncing its cache with the

@@ -229,15 +229,20 @@ def kernels(dim: int) -> np.ndarray:
     """The addresses of @scores and @values_1..GROUP for head size `dim`, compiled for this CPU: row 0 for float32
     caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 on CPUs with AVX512-VNNI row 2 for
     q8 ones."""
+    q8 = dim % 64 == 0 and host_has("avx512vnni")  # q8 caches: vpdpbusd, head sizes that are a multiple of 64
+    text, names = source(dim, q8)
+    return compile_ir(text, names).reshape(len(names) // (1 + GROUP), 1 + GROUP)
+
+
+def source(dim: int, q8: bool) -> tuple[str, list[str]]:
+    """The IR module of the tiles for head size `dim` (with the q8 cache's, which need AVX512-VNNI) and their names."""
     if dim % 16:
         raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
-    q8 = dim % 64 == 0 and host_has("avx512vnni")  # q8 caches: vpdpbusd, head sizes that are a multiple of 64
     sizes = (4, 2, 1) if q8 else (4, 2)
-    source = (f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n"
-              + ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n" if q8 else "")
-              + "".join(
-                  (scores_ir(dim, size) if size > 1 else scores_q8_ir(dim))
-                  + "".join(values_ir(dim, rows, size) for rows in range(1, GROUP + 1)) for size in sizes))
+    text = (f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n"
+            + ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n" if q8 else "")
+            + "".join((scores_ir(dim, size) if size > 1 else scores_q8_ir(dim))
+                      + "".join(values_ir(dim, rows, size) for rows in range(1, GROUP + 1)) for size in sizes))
     names = [f"{kind}{size}{suffix}" for size in sizes
              for kind, suffix in [("scores", "")] + [("values", f"_{rows}") for rows in range(1, GROUP + 1)]]
-    return compile_ir(source, names).reshape(len(sizes), 1 + GROUP)
+    return text, names

@@ -59,7 +59,8 @@ def verify_lengths(costs: CostModel, proposals: list[Propose], rows: list[Rows])
     keys += sum(p.keys for p in proposals)
     row_keys += sum(p.pending * p.keys for p in proposals)
     return allocate(costs, [(p.alpha, p.available, p.keys) for p in proposals], base, generating,
-                    sequences=len(rows) + len(proposals), keys=keys, row_keys=row_keys)
+                    sequences=len(rows) + len(proposals), keys=keys, row_keys=row_keys,
+                    host=sum(p.adaptive.shared.host for p in proposals))
 
 
 def attended(rows: list[Rows]) -> tuple[int, int]:
@@ -122,30 +123,36 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
                      constraint: Constraint | None = None):
     """One step (a generator: see the module's doc), returning a Step: at most `budget` new tokens, never past
     `context` positions or past an EOS. With `adaptive`, only as much of the draft is verified as pays on this
-    device (maybe none). With `constraint` (token healing), the rows it still governs are masked first."""
+    device (maybe none), and the step's own host time and drafter calls are measured for its pricing."""
+    busy = 0.0  # seconds this step runs on the host, outside its driver's answers (the forward)
+    started = time.perf_counter()
     history = session.history
     room = context - len(history)  # positions left for draft tokens plus the target's own token
     pending = session.pending
     limit = adaptive.draft_limit(len(pending), session.cache.length) if adaptive is not None else None
-    started = time.perf_counter()
+    drafting = time.perf_counter()
     draft = session.chain.draft(history, min(draft_max, budget - 1, room - 1), limit)
     proposal = draft.tokens if draft else []
     drafter = session.chain.last  # whose draft it is (None: no draft)
     verify = len(proposal)
     if adaptive is not None and proposal:
-        adaptive.observe_draft(drafter, len(proposal), time.perf_counter() - started - draft.catch_up_seconds,
+        adaptive.observe_draft(drafter, len(proposal), time.perf_counter() - drafting - draft.catch_up_seconds,
                                draft.catch_up_seconds)
+        busy += time.perf_counter() - started
         verify = yield Propose(adaptive, drafter, len(proposal), len(pending), session.cache.length)
+        started = time.perf_counter()
     drafted = proposal[:verify]  # [k]
     probs = draft.probs[:verify] if drafted and draft.probs is not None else None
 
     # verify: the pending tokens and the draft in one forward
     rows = Rows(session.cache, pending + drafted, len(drafted) + 1, generating=True)
+    busy += time.perf_counter() - started
     try:
         logits = yield rows  # [k+1, vocab]
     except GeneratorExit:  # cancelled between the forward and its acceptance: the cache keeps only the history
         session.crop_cache(len(history))
         raise
+    started = time.perf_counter()
     if constraint is not None:
         constraint.mask(logits, drafted)
     # the path's own argmax (rows.targets) unless a constraint changed the logits
@@ -172,7 +179,27 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     if session.length >= context:
         finished = finished or "length"
     session.chain.accept(session.history, len(drafted), accepted)
+    if adaptive is not None:
+        # a draft held back whose first token the target chose anyway would have saved a step: that credit lets
+        # a held-back drafter back in once its drafts turn right (its alpha then climbs by these free checks)
+        right = bool(proposal) and not drafted and proposal[0] == next_token
+        price(adaptive, session.chain.called, drafter, len(pending), len(drafted), accepted + right,
+              busy + time.perf_counter() - started)
     return Step(new_tokens, len(drafted), accepted, rows.seconds, finished)
+
+
+def price(adaptive: Adaptive, called: list[tuple[str, float]], drafter: str | None, pending: int, verified: int,
+          accepted: int, busy: float) -> None:
+    """What the step taught about its price: the host's own seconds (all but the drafters' calls), each called
+    drafter's seconds, and what the winning draft saved: a plain step's price per accepted token, less what its
+    verified rows added to the forward (a draft none of which was verified: what its first token would have saved,
+    when it was right)."""
+    shared, costs = adaptive.shared, adaptive.costs
+    shared.observe_host(max(busy - sum(seconds for _, seconds in called), 0.0))
+    plain = costs.cost(max(pending, 1))
+    rows = max(verified, accepted)  # a held-back draft that was right: as if its first token had been verified
+    saved = accepted * (plain + shared.host) - (costs.cost(pending + rows) - plain if rows else 0.0)
+    adaptive.observe_calls(called, drafter, saved)
 
 
 def decode_steps(session: Session, prompt: list[int], sampler: Sampler, draft_max: int,

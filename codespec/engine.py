@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .adaptive import Adaptive, CostModel, ModelDrafting, cached_costs, pinned_costs
+from .adaptive import Adaptive, CostModel, DraftingCosts, cached_costs, pinned_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import decode_steps, drive, next_output, prefill_rows
 from .drafters import SharedDrafting, build_chain
@@ -119,7 +119,7 @@ class Engine:
             self.session_memory = int(0.8 * free)  # named sessions' caches may take most of the GPU's free memory
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
-        self.model_drafting = ModelDrafting()  # what draft models cost here and how they did, across sessions
+        self.drafting = DraftingCosts()  # what a step costs beyond the forward here, and how draft models did
         if self.shared is None:
             self.shared = SharedDrafting(self.model, self.tokenizer, self.spec)
         self.documents = TaughtDocuments()
@@ -349,7 +349,7 @@ class Engine:
         # depends on them.)
         adaptive = spec.adaptive and (params.temperature == 0 or params.seed is None)
         if adaptive and session.adaptive is None:
-            session.adaptive = Adaptive(self.costs, self.model_drafting)
+            session.adaptive = Adaptive(self.costs, self.drafting)
         steps = decode_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
                              self.context_length, self.eos_token_ids | stop_ids, stats,
                              session.adaptive if adaptive else None, prefill_chunk, constraint)

@@ -26,14 +26,31 @@ def host_has(feature: str) -> bool:
         return False
 
 
-def compile_ir(source: str, names: list[str]) -> np.ndarray:
-    """Compile `source` (an LLVM IR module) at -O3 for this CPU's features; the addresses of its functions `names`."""
+class MissingInstructions(RuntimeError):
+    """A tile needs instructions this CPU does not have (LLVM would abort the whole process compiling it)."""
+
+
+def target_machine(cpu: str | None = None, features: str | None = None):
+    """An LLVM target machine at -O3: this CPU's (default), or a named one (`cpu`, e.g. "haswell" for x86-64-v3,
+    "znver4"; `features` as LLVM spells them) with the default triple, to check that IR compiles for it."""
     import llvmlite.binding as llvm
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    machine = llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+    if cpu is None:
+        cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    return llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features or "", opt=3)
+
+
+def compile_ir(source: str, names: list[str], needs: tuple[str, ...] = ()) -> np.ndarray:
+    """Compile `source` (an LLVM IR module) at -O3 for this CPU's features; the addresses of its functions `names`.
+    needs: the CPU features its intrinsics need (MissingInstructions where one is missing, never an abort)."""
+    import llvmlite.binding as llvm
+
+    missing = [feature for feature in needs if not host_has(feature)]
+    if missing:
+        raise MissingInstructions(f"this CPU lacks {', '.join(missing)}, which these kernels need")
+    machine = target_machine()
     module = llvm.parse_assembly(source)
     module.verify()
     passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
@@ -42,6 +59,19 @@ def compile_ir(source: str, names: list[str]) -> np.ndarray:
     engine.finalize_object()
     _ENGINES.append(engine)
     return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
+
+
+def assembly(source: str, cpu: str, features: str = "") -> str:
+    """`source` compiled at -O3 for another CPU (nothing runs): its assembly, to check that a tile compiles for a
+    target this machine is not and uses the instructions it should."""
+    import llvmlite.binding as llvm
+
+    machine = target_machine(cpu, features)
+    module = llvm.parse_assembly(source)
+    module.verify()
+    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+    passes.getModulePassManager().run(module, passes)
+    return machine.emit_assembly(module)
 
 
 def splat(name: str, pointer: str, vector: str, scalar: str) -> str:

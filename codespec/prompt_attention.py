@@ -150,16 +150,24 @@ def softmax_ir() -> str:
                    "  br i1 %z.done, label %exit, label %zero\nexit:\n  ret void\n}\n")
 
 
+NEEDS = ("avx512bf16",)  # the CPU features the tiles' intrinsics need
+NAMES = ["pscores", "pvalues", "psoftmax"]
+
+
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
     """The addresses of @pscores, @pvalues and @psoftmax for head size `dim` (a multiple of 16), for this CPU."""
+    return compile_ir(source(dim), NAMES, needs=NEEDS)
+
+
+def source(dim: int) -> str:
+    """The IR module of the three tiles for head size `dim`."""
     declare = [f"{VECTOR} {DOT}({VECTOR}, {BF16}, {BF16})", f"{VECTOR} @llvm.maxnum.v16f32({VECTOR}, {VECTOR})",
                f"{VECTOR} @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, {VECTOR})",
                f"float @llvm.vector.reduce.fmax.v16f32({VECTOR})",
                f"float @llvm.vector.reduce.fadd.v16f32(float, {VECTOR})"]
-    source = (EXP_DECLARATIONS + "".join(f"declare {d}\n" for d in declare) + scores_ir(dim) + values_ir(dim)
-              + softmax_ir())
-    return compile_ir(source, ["pscores", "pvalues", "psoftmax"])
+    return (EXP_DECLARATIONS + "".join(f"declare {d}\n" for d in declare) + scores_ir(dim) + values_ir(dim)
+            + softmax_ir())
 
 
 def fits(dim: int) -> bool:
@@ -171,7 +179,7 @@ def fits(dim: int) -> bool:
 @functools.cache
 def available() -> bool:
     """Whether this CPU multiplies bfloat16 pairs (AVX512-BF16: Zen 4, Sapphire Rapids and later)."""
-    return host_has("avx512bf16")
+    return all(host_has(feature) for feature in NEEDS)
 
 
 @numba.njit(inline="always", fastmath=True, cache=True)

@@ -111,15 +111,23 @@ DECLARATIONS = ("declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float
 @functools.cache
 def available() -> bool:
     """Whether this CPU has the 512-bit VNNI instructions the tiles use."""
-    return host_has("avx512vnni")
+    return all(host_has(feature) for feature in NEEDS)
+
+
+NEEDS = ("avx512vnni",)  # the CPU features the tiles' intrinsics need
+
+
+def source(kind: str) -> tuple[str, list[str]]:
+    """The IR module of `kind`'s tiles for 1..MAX_ROWS rows and their names."""
+    names = [f"q8_{kind.lower()}_{rows}" for rows in range(1, MAX_ROWS + 1)]
+    return DECLARATIONS + "".join(tile_ir(name, kind, rows)
+                                  for name, rows in zip(names, range(1, MAX_ROWS + 1))), names
 
 
 @functools.cache
 def tiles(kind: str) -> np.ndarray:
     """The addresses of `kind`'s tiles for 1..MAX_ROWS rows (entry i takes i + 1 rows), compiled for this CPU."""
-    names = [f"q8_{kind.lower()}_{rows}" for rows in range(1, MAX_ROWS + 1)]
-    return compile_ir(DECLARATIONS + "".join(tile_ir(name, kind, rows)
-                                             for name, rows in zip(names, range(1, MAX_ROWS + 1))), names)
+    return compile_ir(*source(kind), needs=NEEDS)
 
 
 @intrinsic

@@ -134,13 +134,17 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
     return text + "  ret void\n}\n"
 
 
+def source(kind: str) -> tuple[str, list[str]]:
+    """The IR module of `kind`'s tiles (one per entry of ROWS) and their names."""
+    names = [f"{kind.lower()}_{rows}" for rows in ROWS]
+    return f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
+        tile_ir(name, kind, rows) for name, rows in zip(names, ROWS)), names
+
+
 @functools.cache
 def tiles(kind: str) -> np.ndarray:
     """The addresses of `kind`'s tiles (one per entry of ROWS), compiled for this CPU."""
-    names = [f"{kind.lower()}_{rows}" for rows in ROWS]
-    source = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
-        tile_ir(name, kind, rows) for name, rows in zip(names, ROWS))
-    return compile_ir(source, names)
+    return compile_ir(*source(kind))
 
 
 @intrinsic

@@ -17,6 +17,7 @@ class Chain:
         self.draft_min = draft_min
         self.stats = [DrafterStats(name=d.name) for d in drafters]
         self._last: int | None = None  # index of the drafter whose draft is being verified
+        self.called: list[tuple[str, float]] = []  # the last draft()'s calls: (drafter, seconds), in chain order
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -32,15 +33,19 @@ class Chain:
         """The first draft of at least draft_min tokens. limit(name, max_tokens), when given, caps what one
         drafter may draft (0: skip it) — adaptive speculation's say on drafters whose drafting is costly."""
         self._last = None
+        self.called = []
         if max_tokens < self.draft_min:
             return None
         for index, (drafter, stats) in enumerate(zip(self.drafters, self.stats)):
             allowed = limit(drafter.name, max_tokens) if limit is not None else max_tokens
-            if allowed < self.draft_min:
+            if allowed < self.draft_min:  # held back: adaptive speculation judged its drafting would not pay
+                stats.skipped_drafts += 1
                 continue
             started = time.perf_counter()
             proposal = drafter.draft(history, allowed)
-            stats.draft_s += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.called.append((drafter.name, seconds))
+            stats.draft_s += seconds
             stats.calls += 1
             if proposal is not None and len(proposal.tokens) >= self.draft_min:
                 proposal.tokens = proposal.tokens[:allowed]

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from codespec.adaptive import ModelDrafting, Acceptance, Adaptive, CostModel, allocate, choose, measure_costs
+from codespec.adaptive import DraftingCosts, Acceptance, Adaptive, CostModel, allocate, choose, measure_costs
 from codespec.config import SamplingParams, SpecConfig
 from codespec.decode import generate_steps
 from codespec.drafters import Chain
@@ -264,7 +264,7 @@ def test_drafting_cost_shortens_a_model_drafters_draft_and_can_switch_it_off():
 def test_probing_a_switched_off_draft_model_costs_at_most_one_percent_and_new_sessions_start_from_the_engines_evidence():
     """A probe first syncs the draft model's cache with the history it did not read while it was off: that
     catch-up is paid once per probe, so probes come rarely enough that they cost at most PROBE_SHARE of the time."""
-    costs, shared = fixed_costs(0.05), ModelDrafting()
+    costs, shared = fixed_costs(0.05), DraftingCosts()
     adaptive = Adaptive(costs, shared)
     adaptive.observe_draft("draft", 2, 0.004, catch_up_seconds=3.996)  # a probe: 4 s in all, 4 forwards' time
     for _ in range(20):
@@ -319,7 +319,8 @@ def test_chain_skips_a_drafter_its_limit_rules_out():
 def test_a_drafter_that_never_matches_is_switched_off_within_a_few_steps(model):
     """With this machine's shape of costs (one more token verified: ~10% more time), a drafter whose every
     token is wrong has its drafts verified at most for the first few steps, then never again: the held-back
-    drafts are still checked against the target's own token for free, and they keep missing."""
+    drafts are still checked against the target's own token for free, and they keep missing (after a few calls the
+    drafter itself is held back, and its probes' drafts teach alpha the same way)."""
     prompt = list(range(10, 30))
     plain, _, _ = run(model, prompt, NoDrafter(), None, max_tokens=120)
     wrong = FixedContinuation(len(prompt), [(t + 1) % 300 + 1 for t in plain])
@@ -329,7 +330,7 @@ def test_a_drafter_that_never_matches_is_switched_off_within_a_few_steps(model):
                                 GenerationStats(), adaptive))
     verified_at = [index for index, step in enumerate(steps) if step.drafted > 0]
     assert [t for step in steps for t in step.tokens] == plain
-    assert len(steps) == 120 and verified_at and max(verified_at) < 6, verified_at
+    assert len(steps) == 120 and verified_at and max(verified_at) < 12, verified_at
     assert sum(step.drafted for step in steps) <= 12  # the whole cost of finding out: about a dozen tokens
 
 
@@ -353,3 +354,48 @@ def test_greedy_output_does_not_depend_on_the_draft_lengths_timing_picks(engine,
         result = engine.generate(prompt, SamplingParams(max_tokens=60), spec=SpecConfig(spec=chain, ngram_min=1))
         assert result.tokens == plain.tokens, chain
     assert len(set(lengths)) > 3  # many different lengths were really verified
+
+
+def test_the_hosts_own_work_per_step_is_priced_so_a_draft_that_saves_a_step_saves_it_too():
+    """One more row costs 20% of a forward: at alpha 0.15 verifying does not pay for the forward alone (1.15
+    tokens for 1.2x the time), but with a step's host work as large as its forward it does (1.15 for 2.2 against 1
+    for 2)."""
+    costs = fixed_costs(0.2)
+    assert choose(costs, 0.15, 4, 1) == 0
+    assert choose(costs, 0.15, 4, 1, host=1.0) == 1
+    assert allocate(costs, [(0.15, 4, None)], 1, 1, host=1.0) == [1]
+
+
+def test_a_drafter_whose_calls_save_less_than_they_cost_is_held_back_and_probed_now_and_then():
+    adaptive = Adaptive(fixed_costs(0.1))
+    limit = adaptive.draft_limit(pending=1)
+    assert limit("prompt-lookup", 16) == 16  # nothing measured yet: it drafts
+    for _ in range(30):  # 50 us a call, no draft
+        adaptive.observe_calls([("prompt-lookup", 50e-6)], None, 0.0)
+    calls = [index + 1 for index in range(40) if limit("prompt-lookup", 16)]
+    assert calls == list(range(4, 41, 4))  # a probe every 4 steps: 50 us per 4 s of steps
+    adaptive.observe_calls([("prompt-lookup", 50e-6)], "prompt-lookup", 1.0)  # a probe whose draft saved a step
+    assert all(limit("prompt-lookup", 16) == 16 for _ in range(10))  # drafting every step again
+    assert adaptive.shared.calls["prompt-lookup"] == pytest.approx(50e-6)  # the engine's, for every session
+
+
+def test_a_chain_holds_back_only_the_drafter_that_does_not_pay():
+    adaptive = Adaptive(fixed_costs(0.1))
+    for _ in range(30):  # ngram-mod drafts nothing here; prompt-lookup's drafts save a token each
+        adaptive.observe_calls([("ngram-mod", 20e-6), ("prompt-lookup", 50e-6)], "prompt-lookup", 1.0)
+    limit = adaptive.draft_limit(pending=1)
+    assert limit("ngram-mod", 16) == 0 and limit("prompt-lookup", 16) == 16
+    assert adaptive.savings["ngram-mod"] < adaptive.shared.calls["ngram-mod"] < adaptive.savings["prompt-lookup"]
+
+
+def test_a_drafter_that_never_matches_is_not_even_called_after_a_while_and_output_is_unchanged(model):
+    """Every step prices its drafters' calls: a drafter whose drafts are always wrong costs its draft() time for
+    nothing, so after a few steps it is called only as a probe, every CALL_PROBE steps."""
+    prompt = list(range(10, 30))
+    plain, _, _ = run(model, prompt, NoDrafter(), None, max_tokens=120)
+    wrong = FixedContinuation(len(prompt), [(t + 1) % 300 + 1 for t in plain])
+    adaptive = Adaptive(fixed_costs(0.1))
+    tokens, stats, drafter = run(model, prompt, wrong, adaptive, max_tokens=120)
+    assert tokens == plain
+    assert drafter.calls <= 6 + 120 // Adaptive.CALL_PROBE and drafter.skipped_drafts >= 90, drafter
+    assert 0 < adaptive.shared.host < 0.1  # each step's host work, measured: well under a (1 s) forward
