@@ -166,6 +166,7 @@ def cached_costs(path, model, vocab_size: int) -> CostModel:
     if not name:
         return measure_costs(path, vocab_size)
     key = json.dumps([name, str(model.device), str(model.dtype), type(path).__name__, getattr(path, "reads", ""),
+                      getattr(path, "invariant", False),
                       str(getattr(path, "cache_dtype", "")),
                       torch.get_num_threads(),
                       torch.__version__, platform.processor(), platform.node(), list(SIZES), forward_code()])
@@ -281,12 +282,17 @@ class DraftingCosts:
     calls: dict[str, float] = field(default_factory=dict)  # an n-gram drafter's seconds per call (its draft())
     host: float = 0.0  # a step's seconds outside the forward and the drafters' draft() calls
 
+    OUTLIER = 4.0  # a call or host time past this many times its estimate (a page fault, a collection, another
+    # process's burst) moves the estimate as if it had taken this many times: one pause must not hold a drafter back
+
     def observe_call(self, drafter: str, seconds: float) -> None:
         previous = self.calls.get(drafter)
-        self.calls[drafter] = seconds if previous is None else previous + self.LEARN * (seconds - previous)
+        self.calls[drafter] = seconds if previous is None else previous + self.LEARN * (
+            min(seconds, self.OUTLIER * previous) - previous)
 
     def observe_host(self, seconds: float) -> None:
-        self.host = seconds if self.host == 0.0 else self.host + self.LEARN * (seconds - self.host)
+        self.host = seconds if self.host == 0.0 else self.host + self.LEARN * (
+            min(seconds, self.OUTLIER * self.host) - self.host)
 
 
 @dataclass
@@ -346,7 +352,7 @@ class Adaptive:
         """Whether an n-gram drafter's calls have lately saved more than they cost (draft() time against the
         step time its accepted tokens saved); one that does not is skipped but for a probe every CALL_PROBE steps."""
         cost, saving = self.shared.calls.get(drafter), self.savings.get(drafter)
-        if cost is None or saving is None or saving >= cost or self.calls.get(drafter, 0) < self.CALL_EVIDENCE:
+        if drafter == "none" or cost is None or saving is None or saving >= cost or self.calls.get(drafter, 0) < self.CALL_EVIDENCE:
             self.probe_countdown.pop(drafter, None)
             return True
         step = self.costs.cost(1) + self.shared.host

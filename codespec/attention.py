@@ -41,7 +41,7 @@ from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from . import attention_ir
+from . import attention_ir, llvmir
 from .attention_ir import GROUP
 
 FEW_ROWS = 16  # sequences with at most this many rows in a forward come here (measured, 30 layers at 1,000 and
@@ -449,6 +449,8 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
     entries, score_row = [], 0
     for r, first in zip(rows, first_rows):
         cache = r.cache
+        if cache.keys.dtype == torch.int8 and not llvmir.host_has("avx512vnni"):  # (its scores tile is not compiled)
+            raise llvmir.MissingInstructions("this CPU lacks avx512vnni, which q8 caches' scores tile needs")
         entries.append([cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, first, cache.length,
                         len(r.ids), score_row, cache.keys.element_size()])
         score_row += heads * len(r.ids)

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .config import (ACTIVATIONS_CHOICES, CACHE_TYPES, DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES,
+from .config import (ACTIVATIONS_CHOICES, CACHE_TYPES, DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES, INVARIANT_CHOICES,
                      PROMPT_PRECISION_CHOICES, SPEC_CHOICES, WEIGHTS_CHOICES, ModelConfig, SamplingParams, ServerConfig,
                      SpecConfig, unknown_drafters)
 from .errors import CodespecError
@@ -46,7 +46,7 @@ def bounded_int(low: int, high: int):
 
 # add_model_options' flags: ModelConfig's fields
 MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision", "cache_type", "activations",
-               "context")
+               "invariant", "context")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +74,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "model's dtype), f16 (llama.cpp's default: half the memory and of what attention "
                              "reads; CPU, float32, lean forward) or q8 (8-bit integers and a scale per key and value, "
                              "as llama.cpp's q8_0: 53%% of f16's bytes; with --activations q8)")
+    parser.add_argument("--invariant", choices=INVARIANT_CHOICES,
+                        help="on (default): every CPU forward in per-row kernels, prompts included, so the text does "
+                             "not depend on how a prompt was chunked, batched with other sessions or cached (prefill "
+                             "about 2x slower on AVX2 CPUs); off: long prompt chunks in faster GEMMs whose bits "
+                             "depend on the chunk")
     parser.add_argument("--activations", choices=ACTIVATIONS_CHOICES,
                         help="what a GGUF's blocks multiply: auto (default: q8 where the CPU has AVX512-VNNI), q8 "
                              "(inputs rounded to 8 bits per 32 and exact integer sums, as llama.cpp multiplies them) "

@@ -18,6 +18,7 @@ FORWARD_CHOICES = ("lean", "graphs", "transformers")  # lean falls back to trans
 # runs graph-safe (graphs.py: fixed shapes, CUDA graphs) on GPUs; graphs: that forward on any device (CPUs: tests)
 WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py);
 # auto: those where they can run (a GGUF's Llama/Qwen2 model on a CPU in float32 on the lean forward), else checkpoint
+INVARIANT_CHOICES = ("on", "off")  # whether a token's numbers are the same in any chunk or batch (forward.LeanLlama)
 PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of prompt chunks (forward.LeanLlama)
 CACHE_TYPES = ("auto", "f32", "f16", "q8")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's
 # dtype; auto: f16 where the CPU attention kernel reads it (float32 on CPUs, lean forward), else f32
@@ -146,6 +147,10 @@ class ModelConfig:
     # (memory, and what attention reads per token), the text that of float16 keys and values; auto: f16 where it runs;
     # q8: each key and value rounded to 8-bit integers with one scale (llama.cpp's q8_0 cache): 53% of f16's bytes
     activations: str = "auto"  # see ACTIVATIONS_CHOICES (with --weights gguf, and auto when it picks the blocks)
+    invariant: str = "on"  # on: every forward on a CPU in numba's per-row kernels, prompt chunks included, so a
+    # token's keys, values and logits have the same bits whatever chunk, batch or cached prefix it came with: the
+    # greedy text does not depend on the server's load or a session's history (prefill ~2x slower on an AVX2 CPU,
+    # measured). off: long prompt chunks in PyTorch's GEMM (or AVX512-BF16 tiles), faster, load-dependent bits
     context: int = 0  # tokens of context (llama-server's --ctx-size): prompt plus output; 0: the model's own. On
     # GPUs every session's cache has this fixed size (graphs.py): a shorter one is less memory and attention
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
@@ -162,6 +167,8 @@ class ModelConfig:
                              f"{', '.join(PROMPT_PRECISION_CHOICES)}")
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(f"unknown cache type {self.cache_type!r}; choose from {', '.join(CACHE_TYPES)}")
+        if self.invariant not in INVARIANT_CHOICES:
+            raise ValueError(f"unknown invariant {self.invariant!r}; choose from {', '.join(INVARIANT_CHOICES)}")
         if self.activations not in ACTIVATIONS_CHOICES:
             raise ValueError(f"unknown activations {self.activations!r}; choose from {', '.join(ACTIVATIONS_CHOICES)}")
 

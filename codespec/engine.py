@@ -16,7 +16,7 @@ from pathlib import Path
 from .adaptive import Adaptive, CostModel, DraftingCosts, cached_costs, pinned_costs
 from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import decode_steps, drive, next_output, prefill_rows
-from .drafters import SharedDrafting, build_chain
+from .drafters import warm as warm_drafters, SharedDrafting, build_chain
 from .drafters.taught import TaughtDocuments
 from .errors import CodespecError, DeviceMemoryFull
 from .forward import forward_path
@@ -102,6 +102,7 @@ class Engine:
     prompt_precision: str = ModelConfig.prompt_precision
     cache_type: str = ModelConfig.cache_type
     activations: str = ModelConfig.activations
+    invariant: str = ModelConfig.invariant
     context: int = 0  # ModelConfig.context: tokens of context, 0 for the model's own
 
     def __post_init__(self):
@@ -110,7 +111,8 @@ class Engine:
         self.path = forward_path(self.model, lean=self.forward in ("lean", "graphs"), gguf=self.gguf,
                                  graphs=True if self.forward == "graphs" else None,
                                  prompt_precision=self.prompt_precision, cache_type=self.cache_type,
-                                 activations=self.activations, context=self.context_length)
+                                 activations=self.activations, context=self.context_length,
+                                 invariant=self.invariant == "on")
         check_forward(self.path, self.model)
         if self.model.device.type == "cuda" and self.session_memory == SESSION_MEMORY:
             import torch
@@ -120,6 +122,7 @@ class Engine:
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
         self.drafting = DraftingCosts()  # what a step costs beyond the forward here, and how draft models did
+        warm_drafters()  # their numba code loads now, not in the first request (~0.3 s)
         if self.shared is None:
             self.shared = SharedDrafting(self.model, self.tokenizer, self.spec)
         self.documents = TaughtDocuments()
@@ -149,7 +152,8 @@ class Engine:
             gguf = auto_gguf(model_config, model)
         return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf,
                    prompt_precision=model_config.prompt_precision, cache_type=model_config.cache_type,
-                   activations=model_config.activations, context=model_config.context)
+                   activations=model_config.activations, context=model_config.context,
+                   invariant=model_config.invariant)
 
     @property
     def context_length(self) -> int:

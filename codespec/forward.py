@@ -138,7 +138,7 @@ class LeanLlama:
 
     @torch.no_grad()
     def __init__(self, model, gguf: Optional[Path] = None, prompt_precision: str = "float32",
-                 cache_type: str = "auto", activations: str = "auto"):
+                 cache_type: str = "auto", activations: str = "auto", invariant: bool = False):
         config = model.config
         self.config = config
         self.heads = config.num_attention_heads
@@ -195,9 +195,13 @@ class LeanLlama:
         elif all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
             self.fewrows = fewrows.Weights(self._norms, self.biases, projections, self.norm, self.lm_head.weight)
             self.reads = "16 bits"
-        self.use_prompt_precision(prompt_precision)
         self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
                                 and attention.ready())
+        # every forward in numba's per-row kernels (fewrows.py, attention.py), prompt chunks of any length too: a
+        # row's numbers never depend on the rows beside it (its chunk, other sessions), so neither does the text.
+        # Only where those kernels run (a CPU in float32); elsewhere, as on GPUs, the docs give the measured share.
+        self.invariant = invariant and self.fewrows is not None and self.few_rows_kernel
+        self.use_prompt_precision(prompt_precision)
         self.use_cache_type(cache_type)
         self._wide = torch.empty(0)  # see _batch
         self.run_layers = compiled_layers()
@@ -245,10 +249,15 @@ class LeanLlama:
         prompt, by bfloat16's rounding. Only on CPUs in float32 (elsewhere the model's dtype decides), and not with
         q8 activations, where every forward takes the q8 tiles."""
         self.prompt_weights: Optional[list[torch.Tensor]] = None
+        if precision == "bfloat16" and self.invariant:
+            raise CodespecError("--prompt-precision bfloat16 multiplies prompts in PyTorch, whose bits depend on the "
+                                "chunk; with --invariant on (the default) every forward takes the per-row kernels: "
+                                "add --invariant off")
         if precision == "bfloat16" and self.q8:
             raise CodespecError("--prompt-precision bfloat16 multiplies prompts in PyTorch; with --activations q8 "
                                 "(the default on this CPU) every forward takes the q8 tiles: add --activations float32")
-        if self.device.type != "cpu" or self.dtype != torch.float32 or precision == "float32" or self.q8:
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or precision == "float32" or self.q8
+                or self.invariant):
             return
         if precision == "bfloat16" or bfloat16_pays(self.packed):
             lows = (bfloat16_weight(w, self.packed) for w in self.projections)  # qkv, o, gate_up, down per layer
@@ -356,7 +365,7 @@ class LeanLlama:
         # sequences of up to attention.FEW_ROWS rows take the cache-streaming kernel (attention.py): on CPUs in float32;
         # with q8 activations every sequence but prompt chunks, so that a verify of any length matches decoding bit
         # for bit (q8's rounding would turn PyTorch's last-bit differences into visible ones)
-        few = [self.few_rows_kernel and (count <= attention.FEW_ROWS or (self.q8 and not r.prompt))
+        few = [self.few_rows_kernel and (count <= attention.FEW_ROWS or (self.q8 and not r.prompt) or self.invariant)
                for count, r in zip(counts, rows)]
         table, score_rows, width = None, 0, 0
         if any(few):
@@ -367,7 +376,7 @@ class LeanLlama:
             width = attention.padded_width(max(ends[i] for i in chosen))
         # prompt chunks attend in prompt_attention's bfloat16 tiles with q8 activations (which run every forward in
         # numba), where the CPU has them; they mask each row by its own length
-        bfloat16 = self.q8 and self.fewrows is not None and prompt_attention.fits(self.head_dim)
+        bfloat16 = self.q8 and self.fewrows is not None and prompt_attention.fits(self.head_dim) and not self.invariant
         masks: List[Optional[torch.Tensor]] = []
         for start, count, end, kernel in zip(starts, counts, ends, few):
             mask = None
@@ -388,7 +397,7 @@ class LeanLlama:
             wide = self._wide
         # every layer in numba: forwards over few rows, and with q8 activations all (the other path's float32
         # activations would give other logits: a verify over more rows would not match decoding)
-        if self.fewrows is not None and (self.q8 or len(ids) <= fewrows.FEW_ROWS):
+        if self.fewrows is not None and (self.q8 or self.invariant or len(ids) <= fewrows.FEW_ROWS):
             firsts = itertools.accumulate(counts, initial=0)
             apart = [fewrows.Apart(first, count, r.cache, mask, wide, bfloat16)
                      for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]
@@ -582,7 +591,7 @@ class TransformersForward:
 
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",
                  cache_type: str = "auto", activations: str = "auto", graphs: Optional[bool] = None,
-                 context: int = 0):
+                 context: int = 0, invariant: bool = False):
     """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
     run the lean path on that file's own blocks (--weights gguf), which only it can; so with --cache-type f16.
     graphs: the lean path's weights in the graph-safe forward (graphs.py); None: on GPUs. context: the graph-safe
@@ -599,7 +608,7 @@ def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_p
         context = context or int(getattr(model.config, "max_position_embeddings", 2048))
         return GraphLlama(LeanLlama(model, cache_type="f32", prompt_precision="float32"), context)
     if why is None:
-        return LeanLlama(model, gguf, prompt_precision, cache_type, activations)
+        return LeanLlama(model, gguf, prompt_precision, cache_type, activations, invariant)
     if gguf is not None:
         raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
     if cache_type in ("f16", "q8"):

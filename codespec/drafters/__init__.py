@@ -16,6 +16,20 @@ from .none import NoDrafter
 from .prompt_lookup import PromptLookup
 
 
+def warm() -> None:
+    """Load (or compile, once per machine) the drafters' numba code on tiny inputs, so that no request pays for it
+    and the first calls' timings (adaptive speculation prices each drafter's calls) are what a call costs."""
+    import numpy as np
+
+    history = np.arange(40, dtype=np.int64) % 7
+    pool = NgramPool(size=1024, n=4)
+    view = NgramMod(pool)
+    view.begin(history, None)
+    view.draft(history, 4)
+    view.truncate(10)
+    PromptLookup().draft(history, 4)
+
+
 class SharedDrafting:
     """What every session of one engine shares: the one ngram-mod pool (its settings are the engine's, whatever a
     request's spec says: every frontend of a process drafts from and teaches the same pool), and, built once on

@@ -5,15 +5,34 @@ followed the same n-gram earlier are a good guess. Longest n first within [ngram
 most recent occurrence wins because nearby text predicts best. Stateless: it reads the history, so a
 truncation needs no bookkeeping.
 
-One vectorised pass finds every earlier position holding the last token; each longer n only filters
-those few candidates by the token before, so a draft costs one comparison over the history.
+One pass in numba walks the history backwards from the most recent position, measuring how much of the
+trailing n-gram ends there, and stops at the first (most recent) full-length match: a few microseconds for
+thousands of tokens, where numpy's vectorised passes cost ~80 us a step (2-3% of a 3 ms forward, every step).
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from .base import Draft, Drafter
+
+
+@numba.njit(cache=True)
+def _lookup(history, ngram_min, ngram_max):
+    """The position after the most recent earlier occurrence of the longest trailing n-gram (ngram_min <= n <=
+    ngram_max) of history; -1 when there is none."""
+    length = len(history)
+    best, best_n = -1, ngram_min - 1
+    for end in range(length - 2, -1, -1):  # an occurrence ending at `end`, most recent first
+        n = 0
+        while n < ngram_max and n <= end and history[end - n] == history[length - 1 - n]:
+            n += 1
+        if n > best_n:
+            best, best_n = end + 1, n
+            if n == ngram_max:
+                break
+    return best
 
 
 class PromptLookup(Drafter):
@@ -23,19 +42,7 @@ class PromptLookup(Drafter):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
     def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
-        length = len(history)
-        if length < self.ngram_min + 1:
+        if len(history) < self.ngram_min + 1:
             return None
-        # ends: positions before the last one that hold the last token, i.e. where a match would end
-        ends = np.flatnonzero(history[: length - 1] == history[length - 1])
-        matches_by_n = [ends]  # matches_by_n[n - 1]: ends of earlier occurrences of the trailing n-gram
-        for n in range(2, min(self.ngram_max, length - 1) + 1):
-            previous = matches_by_n[-1]
-            previous = previous[previous >= n - 1]
-            matches_by_n.append(previous[history[previous - (n - 1)] == history[length - n]])
-        for n in range(len(matches_by_n), self.ngram_min - 1, -1):
-            matches = matches_by_n[n - 1]
-            if matches.size:
-                start = int(matches[-1]) + 1
-                return Draft(history[start : start + max_tokens].tolist())
-        return None
+        start = _lookup(np.asarray(history, dtype=np.int64), self.ngram_min, self.ngram_max)
+        return Draft(history[start : start + max_tokens].tolist()) if start >= 0 else None

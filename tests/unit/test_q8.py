@@ -36,6 +36,7 @@ def test_rounding_keeps_each_block_within_half_a_step_and_sums_its_integers():
         assert np.array_equal(got[7:8], alone)
 
 
+@pytest.mark.needs_cpu("avx512vnni")
 @pytest.mark.parametrize("kind, outputs", [("Q4_1", 48), ("Q4_1", 45), ("Q8_0", 40)])
 def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(
         kind, outputs):
@@ -60,6 +61,7 @@ def test_the_repacked_scales_must_be_float16_values():
         blocks.weight(q8=True)
 
 
+@pytest.mark.needs_cpu("avx512vnni")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_tiny_model_on_rounded_activations_stays_near_the_exact_products(tmp_path, kind):
     """The rounding moves the logits a little (8 bits per block of 32), not to other numbers."""
@@ -75,7 +77,7 @@ def test_a_tiny_model_on_rounded_activations_stays_near_the_exact_products(tmp_p
     assert torch.equal(a.argmax(dim=-1), b.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("activations", ["q8", "float32"])
+@pytest.mark.parametrize("activations", [pytest.param("q8", marks=pytest.mark.needs_cpu("avx512vnni")), "float32"])
 def test_with_q8_a_prompt_chunk_and_a_long_verify_stay_in_numba(tmp_path, activations):
     """With q8 activations every forward runs the q8 tiles (PyTorch's float32 products would give other logits);
     with float32 ones, forwards over more than fewrows.FEW_ROWS rows go to PyTorch's path."""
@@ -99,13 +101,18 @@ def test_q8_is_refused_where_it_cannot_run(tmp_path):
         forward_path(tiny_arch_model("gemma3", dtype=torch.float32), activations="q8")
     with pytest.raises(ValueError, match="unknown activations 'int4'"):
         ModelConfig(activations="int4").validate()
-    assert forward_path(model, gguf=path, activations="auto").q8  # auto: q8 on a CPU with VNNI
-    with pytest.raises(CodespecError, match="--prompt-precision bfloat16 multiplies prompts in PyTorch"):
-        forward_path(model, gguf=path, prompt_precision="bfloat16", activations="q8")
-    assert forward_path(model, gguf=path, prompt_precision="auto", activations="q8").prompt_weights is None
+    assert forward_path(model, gguf=path, activations="auto").q8 == q8.available()  # auto: q8 on a CPU with VNNI
+    if q8.available():
+        with pytest.raises(CodespecError, match="--prompt-precision bfloat16 multiplies prompts in PyTorch"):
+            forward_path(model, gguf=path, prompt_precision="bfloat16", activations="q8")
+        assert forward_path(model, gguf=path, prompt_precision="auto", activations="q8").prompt_weights is None
+    else:  # an AVX2 or ARM64 CPU: a one-line refusal, never an abort
+        with pytest.raises(CodespecError, match="--activations q8 needs a CPU with AVX512-VNNI"):
+            forward_path(model, gguf=path, activations="q8")
     assert forward_path(model, gguf=path, prompt_precision="bfloat16", activations="float32").prompt_weights
 
 
+@pytest.mark.needs_cpu("avx512vnni")
 def test_speculative_and_plain_greedy_agree_on_rounded_activations_with_long_drafts(tmp_path, tokenizer):
     """Drafts of up to 32 tokens: verify forwards past fewrows.FEW_ROWS rows, still the tokens of decoding alone."""
     from codespec.config import SamplingParams, SpecConfig

@@ -7,6 +7,7 @@ import transformers
 
 from codespec import attention
 from codespec.cli import build_parser, settings_from_args
+from codespec import q8
 from codespec.errors import CodespecError
 from codespec.forward import Rows, StaticCache, forward_path
 from tests.tiny import VOCAB, tiny_arch_model, tiny_config
@@ -30,6 +31,7 @@ def q8_model(seed: int = 0) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).float().eval()
 
 
+@pytest.mark.needs_cpu("avx512vnni")
 def test_keys_values_and_queries_are_rounded_to_8_bits_and_scored_in_exact_integers():
     torch.manual_seed(3)
     heads, kv_heads, dim = 9, 3, 64
@@ -56,6 +58,7 @@ def test_keys_values_and_queries_are_rounded_to_8_bits_and_scored_in_exact_integ
         assert (out - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.needs_cpu("avx512vnni")
 def test_with_a_q8_cache_a_verify_forward_equals_one_token_forwards_bit_for_bit(tmp_path):
     model = q8_model()
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8",
@@ -74,6 +77,7 @@ def test_with_a_q8_cache_a_verify_forward_equals_one_token_forwards_bit_for_bit(
     assert torch.equal(lean.batch([Rows(other, [3, 4, 5], 3), Rows(verify, draft[:3], 3)])[1], alone[:3])
 
 
+@pytest.mark.needs_cpu("avx512vnni")
 def test_speculative_and_plain_greedy_agree_and_differ_from_a_float16_cache_by_rounding(tmp_path, tokenizer):
     model = q8_model(1)
     path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
@@ -82,6 +86,7 @@ def test_speculative_and_plain_greedy_agree_and_differ_from_a_float16_cache_by_r
     assert 0 < difference < 0.1 * logits["f16"].abs().max().item()
 
 
+@pytest.mark.needs_cpu("avx512vnni")
 def test_a_move_turns_the_keys_read_back_and_rounds_them_again(tmp_path):
     """A cache-reuse move (llama-server's --cache-reuse) on a q8 cache: each key read as integers times its scale,
     turned in float64, rounded to float32 and to 8 bits again; values as they are.
@@ -120,7 +125,7 @@ def test_the_flag_reaches_the_model_config_and_paths_that_cannot_run_it_refuse_i
     with pytest.raises(CodespecError, match="activations q8"):
         forward_path(model, cache_type="q8")  # the checkpoint's weights, not a GGUF's blocks
     small = tiny_arch_model("llama", dtype=torch.float32)  # head size 16
-    with pytest.raises(CodespecError, match="multiple of 64"):
+    with pytest.raises(CodespecError, match="multiple of 64" if q8.available() else "needs a CPU with AVX512-VNNI"):
         forward_path(small, gguf=write_gguf(tmp_path / "small.gguf", small, permute=True), activations="q8",
                      cache_type="q8")
     with pytest.raises(CodespecError, match="lean forward"):

@@ -103,12 +103,14 @@ def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tm
     blocks, lean.fewrows = lean.fewrows, None
     torch_logits = lean(torch_cache, ids, 2)  # the same weights in PyTorch's float32 path
     lean.fewrows = blocks
-    assert (numba_logits - torch_logits).abs().max().item() < 1e-4
+    # (float32 sums in two orders: within 1e-4 of logits ~2 on AVX-512, 1.02e-4 seen on an AVX2 CPU)
+    assert (numba_logits - torch_logits).abs().max().item() < 2e-4
     step = lean(numba_cache, [11], 1)
-    assert (step - lean.batch([Rows(torch_cache, [11], 1)])[0]).abs().max().item() < 1e-4
+    assert (step - lean.batch([Rows(torch_cache, [11], 1)])[0]).abs().max().item() < 2e-4
 
 
-@pytest.mark.parametrize("activations, draft_length", [("float32", 4), ("q8", 4), ("q8", 24)])
+@pytest.mark.parametrize("activations, draft_length", [
+    ("float32", 4), *(pytest.param("q8", n, marks=pytest.mark.needs_cpu("avx512vnni")) for n in (4, 24))])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for_bit(tmp_path, kind, activations,
                                                                                   draft_length):

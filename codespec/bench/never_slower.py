@@ -1,0 +1,87 @@
+"""The never-slower lane: every drafter and the default chain against plain decoding, on every class, at several
+generation lengths, in paired, interleaved runs, so that a 3% loss stands out from the machine's noise.
+
+Each round runs every configuration once on a workload, one configuration later each round (runner.run_bench), and
+a configuration's paired ratio for the round is plain's time over its own in that round: runs side by side share the
+machine's state. The lane reports, per class, configuration and length, the median of those ratios over rounds and
+workloads and their spread (the lowest and highest, and the interquartile range), the time outside forwards, and
+whether every output matched plain's; and it names every configuration whose median falls under NEVER_SLOWER.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ..engine import Engine
+from . import runner
+from .workloads import Workload
+
+LENGTHS = (32, 128, 512)  # tokens generated: an editor's completion, an edit's worth, a long answer
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles (the values themselves when there are fewer than four)."""
+    if len(values) < 4:
+        return min(values), max(values)
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def run_lane(engine: Engine, workloads: list[Workload], configs: list[runner.Config], lengths=LENGTHS,
+             repeats: int = 5, progress=None) -> dict:
+    """Every configuration (plain among them) on every workload at every length, `repeats` paired rounds each."""
+    rows = []
+    for length in lengths:
+        for row in runner.run_bench(engine, workloads, configs, repeats, length, turns=1, progress=progress):
+            rows.append((length, row))
+    plain = {(length, row.workload.name): row for length, row in rows if row.config == runner.PLAIN}
+    groups: dict[tuple[str, str, int], dict] = {}
+    for length, row in rows:
+        if row.config == runner.PLAIN:
+            continue
+        base = plain[(length, row.workload.name)]
+        group = groups.setdefault((row.workload.kind, row.config, length),
+                                  {"ratios": [], "outside": [], "identical": True, "tokens_per_forward": []})
+        group["ratios"] += [p.seconds / r.seconds for p, r in zip(base.runs, row.runs)]
+        group["outside"] += [r.outside_forwards / r.seconds for r in row.runs if r.seconds > 0]
+        group["identical"] &= all(r.tokens == base.runs[0].tokens for r in row.runs)
+        first = row.runs[0]
+        if first.forwards:
+            group["tokens_per_forward"].append(len(first.tokens) / first.forwards)
+    results = []
+    for (kind, config, length), group in groups.items():
+        ratios = group["ratios"]
+        low, high = quartiles(ratios)
+        results.append({
+            "kind": kind, "config": config, "max_tokens": length, "runs": len(ratios),
+            "median_paired_speedup_vs_plain": round(statistics.median(ratios), 3),
+            "min": round(min(ratios), 3), "max": round(max(ratios), 3),
+            "q1": round(low, 3), "q3": round(high, 3),
+            "tokens_per_forward": round(statistics.median(group["tokens_per_forward"]), 2)
+            if group["tokens_per_forward"] else None,
+            "outside_forwards_share": round(statistics.median(group["outside"]), 4) if group["outside"] else None,
+            "identical_to_plain": group["identical"]})
+    slower = [f"{r['kind']}/{r['config']}@{r['max_tokens']} {r['median_paired_speedup_vs_plain']:.3f}x"
+              for r in results if r["median_paired_speedup_vs_plain"] < runner.NEVER_SLOWER]
+    return {"lengths": list(lengths), "repeats": repeats, "workloads": [w.name for w in workloads],
+            "never_slower": runner.NEVER_SLOWER, "results": results, "slower_than_plain": slower}
+
+
+def format_lane(data: dict) -> str:
+    width = max([24] + [len(r["config"]) for r in data["results"]])
+    header = (f"{'class':11} {'config':{width}} {'tokens':>6} {'paired':>7} {'spread (min..max, IQR)':>28} "
+              f"{'tok/fwd':>7} {'outside':>7} same")
+    lines = [f"never slower: median of {data['repeats']} paired rounds per workload ({', '.join(data['workloads'])})",
+             header, "-" * len(header)]
+    for r in sorted(data["results"], key=lambda r: (r["kind"], r["config"], r["max_tokens"])):
+        spread = f"{r['min']:.2f}..{r['max']:.2f}, {r['q1']:.2f}..{r['q3']:.2f}"
+        tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "-"
+        outside = f"{r['outside_forwards_share']:.1%}" if r["outside_forwards_share"] is not None else "-"
+        flag = " <" if r["median_paired_speedup_vs_plain"] < data["never_slower"] else ""
+        lines.append(f"{r['kind']:11} {r['config']:{width}} {r['max_tokens']:6} "
+                     f"{r['median_paired_speedup_vs_plain']:6.3f}x {spread:>28} {tpf:>7} {outside:>7} "
+                     f"{'yes' if r['identical_to_plain'] else 'NO'}{flag}")
+    slower = data["slower_than_plain"]
+    lines += ["", f"under {data['never_slower']}x of plain (median of paired runs): "
+                  f"{', '.join(slower) if slower else 'none'}"]
+    return "\n".join(lines)
