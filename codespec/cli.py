@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=bounded_int(1, 50), default=3, help="runs per configuration (median)")
     bench.add_argument("--max-tokens", type=bounded_int(1, 4096), default=256, help="new tokens per turn")
     bench.add_argument("--draft-max", type=bounded_int(1, DRAFT_MAX_LIMIT), default=SpecConfig().draft_max)
+    bench.add_argument("--never-slower", action="store_true",
+                       help="the never-slower lane: every drafter and the default chain against plain at each of "
+                            "--lengths, --repeats paired interleaved rounds, spread reported, anything under 0.97x "
+                            "named (writes never-slower.json)")
+    bench.add_argument("--lengths", default="32,128,512", metavar="N,N",
+                       help="tokens per generation in the never-slower lane (default 32,128,512)")
     bench.add_argument("--two-session", action="store_true",
                        help="session A rewrites a file, then session B rewrites it: the shared pool at work")
     bench.add_argument("--forward-costs", action="store_true",
@@ -228,6 +234,12 @@ def run_bench(args) -> int:
     quick = args.quick
     repeats, max_tokens, turns = (1, 48, 3) if quick else (args.repeats, args.max_tokens, 5)
     classes = {name.strip() for name in args.classes.split(",") if name.strip()}
+    try:
+        lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1 or max(lengths) > 4096:
+        raise CodespecError(f"--lengths takes token counts from 1 to 4096, like 32,128,512; got {args.lengths!r}")
     workloads = [w for w in all_workloads(1 if quick else args.per_class) if w.kind in classes]
     known = [c.name for c in runner.build_configs(quick, args.draft_max, SpecConfig())]
     wanted = set(known)
@@ -262,6 +274,15 @@ def run_bench(args) -> int:
         print(format_rows(rows))
         (out / "two-session.json").write_text(json.dumps({"two_session": rows, "max_tokens": args.max_tokens},
                                                          indent=2))
+        return 0
+    if args.never_slower:
+        from .bench.never_slower import format_lane, run_lane
+
+        lane = [c for c in configs if c.spec is not None and c.name != runner.FIXED_CHAIN]  # plain among them
+        with tqdm(total=len(workloads) * len(lane) * repeats * len(lengths), desc="never slower", unit="run") as bar:
+            data = run_lane(engine, workloads, lane, lengths, repeats, progress=bar)
+        print(format_lane(data))
+        (out / "never-slower.json").write_text(json.dumps(data, indent=2))
         return 0
     forward = None
     if args.forward_costs and engine.model.device.type == "cuda":  # a GPU's floors and forwards (bench/cuda.py)

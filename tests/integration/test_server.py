@@ -124,3 +124,42 @@ def test_bad_input_never_takes_it_down(server):
     assert server.post("/infill", content=b"{", headers={"content-type": "application/json"}).status_code == 400
     assert server.post("/infill", json={"input_prefix": "x", "spec": "nope"}).status_code == 400
     assert server.get("/health").json() == {"status": "ok"}
+
+
+def stdlib_prompts(count: int) -> list[str]:
+    """Prompts of 150-300 tokens no test wrote: the first lines of standard-library functions, cut mid-body."""
+    import inspect
+    import json.decoder
+    import shlex
+    import statistics
+    import textwrap
+
+    functions = [textwrap.TextWrapper._wrap_chunks, json.decoder.py_scanstring, shlex.shlex.read_token,
+                 statistics.linear_regression, textwrap.TextWrapper._split, statistics.median_grouped,
+                 shlex.split, json.decoder.JSONObject, textwrap.dedent, statistics.correlation]
+    return [inspect.getsource(f)[:700] for f in functions[:count]]
+
+
+def test_eight_and_sixteen_concurrent_clients_get_the_one_client_texts_and_history_changes_nothing(server):
+    """Under load the server splits prompts into other chunks and batches them with other sessions' rows, and a
+    session reuses what it cached for an earlier request: with the default --invariant on, none of that changes a
+    greedy text. 24 outputs of 8 concurrent clients (three rounds), 16 at once, and 8 prompts each sent to a
+    session that served another prompt or the prompt's first half first, all against one client's texts in turn."""
+    prompts = stdlib_prompts(8)
+
+    def ask(prompt: str, session: str) -> str:
+        request = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "session": session}
+        response = server.post("/v1/completions", json=request, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    alone = [ask(p, f"alone-{i}") for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(8) as pool:
+        loaded = [text for round_ in range(3) for text in pool.map(
+            lambda i: ask(prompts[i], f"load-{round_}-{i}"), range(8))]
+    assert sum(a == b for a, b in zip(loaded, alone * 3)) == 24
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(lambda i: ask(prompts[i % 8], f"sixteen-{i}"), range(16))) == alone * 2
+    for i, prompt in enumerate(prompts):  # first another prompt, or this one's first half (a cached prefix)
+        ask(prompts[(i + 3) % 8] if i % 2 else prompt[: len(prompt) // 2], f"history-{i}")
+        assert ask(prompt, f"history-{i}") == alone[i], i

@@ -59,3 +59,23 @@ def test_forward_costs_table_on_the_tiny_model():
     assert set(data["prefill_tok_s"]) == {f"{p}, chunks of {c}" for p in ("float32", "bfloat16") for c in (700, 128)}
     assert all(rate > 0 for rate in data["prefill_tok_s"].values())
     assert "prefill of a 700-token prompt, tok/s (--prompt-precision): float32, chunks of 700" in format_forward_costs(data)
+
+
+def test_the_never_slower_lane_pairs_runs_per_length_and_reports_spreads(tokenizer, monkeypatch):
+    from codespec.bench import never_slower
+
+    engine = Engine(tiny_model(context=8192), tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}))
+    workloads = [w for w in all_workloads(1) if w.kind in ("edit", "prose")]
+    configs = [c for c in runner.build_configs(quick=True, draft_max=8, default_spec=SpecConfig(draft_max=8))
+               if c.name in (runner.PLAIN, runner.DEFAULT_CHAIN, "prompt-lookup")]
+    data = never_slower.run_lane(engine, workloads, configs, lengths=(4, 12), repeats=3)
+    assert {(r["kind"], r["config"], r["max_tokens"]) for r in data["results"]} == {
+        (kind, config, length) for kind in ("edit", "prose") for config in (runner.DEFAULT_CHAIN, "prompt-lookup")
+        for length in (4, 12)}
+    for r in data["results"]:
+        assert r["runs"] == 3 and r["identical_to_plain"]
+        assert r["min"] <= r["q1"] <= r["median_paired_speedup_vs_plain"] <= r["q3"] <= r["max"]
+    assert all((f"{r['kind']}/{r['config']}@{r['max_tokens']}" in " ".join(data["slower_than_plain"]))
+               == (r["median_paired_speedup_vs_plain"] < runner.NEVER_SLOWER) for r in data["results"])
+    table = never_slower.format_lane(data)
+    assert "spread (min..max, IQR)" in table and "under 0.97x of plain" in table
