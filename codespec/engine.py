@@ -394,18 +394,37 @@ class TextAssembler:
         self.tokens: list[int] = []
         self.text = ""  # the output so far (final once generation ends)
         self.sent = 0  # characters already handed out
+        self.mark, self.marked = 0, ""  # tokens[:mark] decode to `marked` (raw: before the healed text goes)
+
+    WINDOW = 8  # tokens decoded again before the new ones, so that a tokenizer's joins across them show
 
     def decode(self, tokens: list[int]) -> str:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.healed_off(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def healed_off(self, text: str) -> str:
         if self.healed.startswith(text):
             return ""
         return text.removeprefix(self.healed)
+
+    def raw(self, end: int) -> str:
+        """The decoded text of tokens[:end] (end >= mark), decoding only a few tokens before the mark again: at 512
+        tokens a whole decode took 264 us a step, 9% of a 3 ms forward. Where the text of the tokens after the mark
+        is not simply appended (a character cut by the mark, a tokenizer's clean-up across it), a whole decode."""
+        start = max(self.mark - self.WINDOW, 0)
+        overlap = self.tokenizer.decode(self.tokens[start : self.mark], skip_special_tokens=True)
+        tail = self.tokenizer.decode(self.tokens[start:end], skip_special_tokens=True)
+        if self.mark and tail.startswith(overlap) and not overlap.endswith("\ufffd"):
+            return self.marked + tail[len(overlap):]
+        return self.tokenizer.decode(self.tokens[:end], skip_special_tokens=True)
 
     def add(self, tokens: list[int]) -> tuple[str, int | None]:
         """Append tokens; return (text safe to send, token count at which a stop string ended the text)."""
         start = len(self.tokens)
         self.tokens.extend(tokens)
-        self.text = self.decode(self.tokens)
+        if len(self.tokens) - self.mark > 4 * self.WINDOW:  # the mark follows, WINDOW tokens behind the end
+            mark = len(self.tokens) - self.WINDOW
+            self.marked, self.mark = self.raw(mark), mark
+        self.text = self.healed_off(self.raw(len(self.tokens)))
         for stop in self.stop:
             at = self.text.find(stop, max(0, self.sent - len(stop)))
             if at != -1:
@@ -413,6 +432,7 @@ class TextAssembler:
                 count = next(n for n in range(start + 1, len(self.tokens) + 1)
                              if stop in self.decode(self.tokens[:n]))
                 self.tokens = self.tokens[:count]
+                self.mark, self.marked = 0, ""  # (the mark may lie past the cut)
                 self.text = self.text[:at]
                 return self.flush(), count
         safe = len(self.text)

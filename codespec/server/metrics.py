@@ -47,6 +47,19 @@ class Metrics:
         self.sessions = Gauge("codespec_sessions", "named sessions held", registry=registry)
         self.session_bytes = Gauge("codespec_session_cache_bytes", "KV-cache bytes held by named sessions",
                                    registry=registry)
+        # what the text can depend on: 1 where a token's numbers are the same whatever chunk, batch or cached prefix
+        # it came with (--invariant on, on the CPU's numba path), so greedy text does not depend on load or history
+        invariant = Gauge("codespec_batch_invariant", "1: greedy text independent of load and session history "
+                          "(--invariant on, per-row kernels); 0: prompt chunks in kernels whose bits depend on the "
+                          "chunk", registry=registry)
+        invariant.set_function(lambda: float(bool(getattr(scheduler.engine.path, "invariant", False))))
+        # every step priced (adaptive.DraftingCosts): what the host and each drafter's call cost per step here
+        host = Gauge("codespec_step_host_seconds", "a step's host time outside the forward and the drafters' calls "
+                     "(learnt, fading)", registry=registry)
+        host.set_function(lambda: scheduler.engine.drafting.host)
+        self.call_seconds = Gauge("codespec_drafter_call_seconds", "seconds one call of a drafter's draft() costs "
+                                  "(learnt, fading), by drafter", ["drafter"], registry=registry)
+        self._drafting = lambda: scheduler.engine.drafting.calls
         self._totals: dict[str, list[int]] = {}
 
     def observe_generation(self, route: str, stats, drafters=()) -> None:
@@ -62,3 +75,5 @@ class Metrics:
             totals[0] += drafter.gen_tokens
             totals[1] += drafter.acc_tokens
             self.acceptance.labels(drafter.name).set(totals[1] / totals[0] if totals[0] else 0.0)
+        for drafter, seconds in list(self._drafting().items()):
+            self.call_seconds.labels(drafter).set(seconds)

@@ -377,6 +377,9 @@ def test_models_metrics_and_openapi(server):
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
     assert values["codespec_batched_forwards"] >= 8  # the completion's forwards ran through the batched tick
     assert 0 < values["codespec_pool_occupancy"] < 1  # the default chain's ngram-mod pool learnt the prompt
+    assert values["codespec_batch_invariant"] in (0.0, 1.0)  # float64 tiny model: PyTorch's path, so 0
+    assert 0 < values["codespec_step_host_seconds"] < 1  # every step priced: the host's share, learnt
+    assert 0 < values['codespec_drafter_call_seconds{drafter="prompt-lookup"}'] < 0.1
     spec = server.get("/openapi.json").json()
     validate(spec)
     assert {"/infill", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics",
