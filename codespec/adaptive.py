@@ -281,16 +281,22 @@ class DraftingCosts:
     acceptance: dict[str, Acceptance] = field(default_factory=dict)  # a model drafter's evidence over all sessions
     calls: dict[str, float] = field(default_factory=dict)  # an n-gram drafter's seconds per call (its draft())
     host: float = 0.0  # a step's seconds outside the forward and the drafters' draft() calls
+    pinned: bool = False  # with a pinned cost table ($CODESPEC_COSTS) the step's other costs are not learnt either:
+    # adaptive choices must repeat whatever the machine's load (the tests pin one)
 
     OUTLIER = 4.0  # a call or host time past this many times its estimate (a page fault, a collection, another
     # process's burst) moves the estimate as if it had taken this many times: one pause must not hold a drafter back
 
     def observe_call(self, drafter: str, seconds: float) -> None:
+        if self.pinned:
+            return
         previous = self.calls.get(drafter)
         self.calls[drafter] = seconds if previous is None else previous + self.LEARN * (
             min(seconds, self.OUTLIER * previous) - previous)
 
     def observe_host(self, seconds: float) -> None:
+        if self.pinned:
+            return
         self.host = seconds if self.host == 0.0 else self.host + self.LEARN * (
             min(seconds, self.OUTLIER * self.host) - self.host)
 
@@ -346,17 +352,22 @@ class Adaptive:
 
     CALL_EVIDENCE = 4  # a session judges an n-gram drafter's calls after this many (its first drafts teach alpha)
     CALL_PROBE = 4  # an n-gram drafter held back is called again after this many steps (or more, where its call
-    # would cost over PROBE_SHARE of the steps in between), to notice when its drafts turn right
+    # would cost over PROBE_SHARE of the steps in between, up to CALL_PROBE_MAX), to notice when its drafts turn right
+    CALL_PROBE_MAX = 64
+    HOLD_SHARE = 0.005  # held back only where its calls cost this share of a step more than they save: a numba
+    # drafter's 5-20 us a call is not worth the risk of missing its good drafts for a few steps
 
     def pays_to_call(self, drafter: str) -> bool:
         """Whether an n-gram drafter's calls have lately saved more than they cost (draft() time against the
         step time its accepted tokens saved); one that does not is skipped but for a probe every CALL_PROBE steps."""
         cost, saving = self.shared.calls.get(drafter), self.savings.get(drafter)
-        if drafter == "none" or cost is None or saving is None or saving >= cost or self.calls.get(drafter, 0) < self.CALL_EVIDENCE:
+        step = self.costs.cost(1) + self.shared.host
+        if (drafter == "none" or cost is None or saving is None or self.calls.get(drafter, 0) < self.CALL_EVIDENCE
+                or cost - saving < self.HOLD_SHARE * step):  # (skipping it would gain next to nothing)
             self.probe_countdown.pop(drafter, None)
             return True
-        step = self.costs.cost(1) + self.shared.host
-        countdown = self.probe_countdown.get(drafter, max(self.CALL_PROBE, math.ceil(cost / (self.PROBE_SHARE * step))))
+        wait = min(max(self.CALL_PROBE, math.ceil(cost / (self.PROBE_SHARE * step))), self.CALL_PROBE_MAX)
+        countdown = self.probe_countdown.get(drafter, wait)
         self.probe_countdown[drafter] = countdown - 1
         if countdown > 1:
             return False

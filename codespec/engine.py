@@ -121,7 +121,8 @@ class Engine:
             self.session_memory = int(0.8 * free)  # named sessions' caches may take most of the GPU's free memory
         pinned = os.environ.get("CODESPEC_COSTS")  # read now: a bad table stops the start, not a request
         self._costs = pinned_costs(pinned) if pinned else None
-        self.drafting = DraftingCosts()  # what a step costs beyond the forward here, and how draft models did
+        # what a step costs beyond the forward here, and how draft models did (not learnt with a pinned table)
+        self.drafting = DraftingCosts(pinned=self._costs is not None)
         warm_drafters()  # their numba code loads now, not in the first request (~0.3 s)
         if self.shared is None:
             self.shared = SharedDrafting(self.model, self.tokenizer, self.spec)

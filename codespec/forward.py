@@ -199,8 +199,9 @@ class LeanLlama:
                                 and attention.ready())
         # every forward in numba's per-row kernels (fewrows.py, attention.py), prompt chunks of any length too: a
         # row's numbers never depend on the rows beside it (its chunk, other sessions), so neither does the text.
-        # Only where those kernels run (a CPU in float32); elsewhere, as on GPUs, the docs give the measured share.
-        self.invariant = invariant and self.fewrows is not None and self.few_rows_kernel
+        # Only on a GGUF's blocks (quantized.py's and q8.py's tiles sum each row alike in any tile; the 16-bit
+        # checkpoint kernel sums rows in fours, twos and ones differently), on a CPU in float32.
+        self.invariant = invariant and self.blocks is not None and self.fewrows is not None and self.few_rows_kernel
         self.use_prompt_precision(prompt_precision)
         self.use_cache_type(cache_type)
         self._wide = torch.empty(0)  # see _batch

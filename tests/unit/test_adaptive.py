@@ -370,19 +370,23 @@ def test_a_drafter_whose_calls_save_less_than_they_cost_is_held_back_and_probed_
     adaptive = Adaptive(fixed_costs(0.1))
     limit = adaptive.draft_limit(pending=1)
     assert limit("prompt-lookup", 16) == 16  # nothing measured yet: it drafts
-    for _ in range(30):  # 50 us a call, no draft
-        adaptive.observe_calls([("prompt-lookup", 50e-6)], None, 0.0)
+    for _ in range(30):  # 20 ms a call (2% of a 1 s step), no draft
+        adaptive.observe_calls([("prompt-lookup", 0.02)], None, 0.0)
     calls = [index + 1 for index in range(40) if limit("prompt-lookup", 16)]
-    assert calls == list(range(4, 41, 4))  # a probe every 4 steps: 50 us per 4 s of steps
-    adaptive.observe_calls([("prompt-lookup", 50e-6)], "prompt-lookup", 1.0)  # a probe whose draft saved a step
+    assert calls == list(range(4, 41, 4))  # a probe every 4 steps: 20 ms per 4 s of steps
+    adaptive.observe_calls([("prompt-lookup", 0.02)], "prompt-lookup", 1.0)  # a probe whose draft saved a step
     assert all(limit("prompt-lookup", 16) == 16 for _ in range(10))  # drafting every step again
-    assert adaptive.shared.calls["prompt-lookup"] == pytest.approx(50e-6)  # the engine's, for every session
+    assert adaptive.shared.calls["prompt-lookup"] == pytest.approx(0.02)  # the engine's, for every session
+    cheap = Adaptive(fixed_costs(0.1))
+    for _ in range(30):  # 50 us a call (0.005% of a step) saving nothing: not worth holding back
+        cheap.observe_calls([("prompt-lookup", 50e-6)], None, 0.0)
+    assert all(cheap.draft_limit(pending=1)("prompt-lookup", 16) == 16 for _ in range(10))
 
 
 def test_a_chain_holds_back_only_the_drafter_that_does_not_pay():
     adaptive = Adaptive(fixed_costs(0.1))
-    for _ in range(30):  # ngram-mod drafts nothing here; prompt-lookup's drafts save a token each
-        adaptive.observe_calls([("ngram-mod", 20e-6), ("prompt-lookup", 50e-6)], "prompt-lookup", 1.0)
+    for _ in range(30):  # ngram-mod drafts nothing here (at 2% of a step a call); prompt-lookup's save a token each
+        adaptive.observe_calls([("ngram-mod", 0.02), ("prompt-lookup", 0.02)], "prompt-lookup", 1.0)
     limit = adaptive.draft_limit(pending=1)
     assert limit("ngram-mod", 16) == 0 and limit("prompt-lookup", 16) == 16
     assert adaptive.savings["ngram-mod"] < adaptive.shared.calls["ngram-mod"] < adaptive.savings["prompt-lookup"]
@@ -390,10 +394,18 @@ def test_a_chain_holds_back_only_the_drafter_that_does_not_pay():
 
 def test_a_drafter_that_never_matches_is_not_even_called_after_a_while_and_output_is_unchanged(model):
     """Every step prices its drafters' calls: a drafter whose drafts are always wrong costs its draft() time for
-    nothing, so after a few steps it is called only as a probe, every CALL_PROBE steps."""
+    nothing (here 10 ms a call, 1% of a 1 s step), so after a few steps it is called only as a probe, every
+    CALL_PROBE steps."""
+    import time
+
+    class Slow(FixedContinuation):
+        def draft(self, history, max_tokens):
+            time.sleep(0.01)
+            return super().draft(history, max_tokens)
+
     prompt = list(range(10, 30))
     plain, _, _ = run(model, prompt, NoDrafter(), None, max_tokens=120)
-    wrong = FixedContinuation(len(prompt), [(t + 1) % 300 + 1 for t in plain])
+    wrong = Slow(len(prompt), [(t + 1) % 300 + 1 for t in plain])
     adaptive = Adaptive(fixed_costs(0.1))
     tokens, stats, drafter = run(model, prompt, wrong, adaptive, max_tokens=120)
     assert tokens == plain
