@@ -51,11 +51,7 @@ def compile_ir(source: str, names: list[str], needs: tuple[str, ...] = ()) -> np
     if missing:
         raise MissingInstructions(f"this CPU lacks {', '.join(missing)}, which these kernels need")
     machine = target_machine()
-    module = llvm.parse_assembly(source)
-    module.verify()
-    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
-    passes.getModulePassManager().run(module, passes)
-    engine = llvm.create_mcjit_compiler(module, machine)
+    engine = llvm.create_mcjit_compiler(optimised(source, machine), machine)
     engine.finalize_object()
     _ENGINES.append(engine)
     return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
@@ -64,14 +60,19 @@ def compile_ir(source: str, names: list[str], needs: tuple[str, ...] = ()) -> np
 def assembly(source: str, cpu: str, features: str = "") -> str:
     """`source` compiled at -O3 for another CPU (nothing runs): its assembly, to check that a tile compiles for a
     target this machine is not and uses the instructions it should."""
+    machine = target_machine(cpu, features)
+    return machine.emit_assembly(optimised(source, machine))
+
+
+def optimised(source: str, machine):
+    """`source` parsed, verified and run through LLVM's -O3 pipeline for `machine`."""
     import llvmlite.binding as llvm
 
-    machine = target_machine(cpu, features)
     module = llvm.parse_assembly(source)
     module.verify()
     passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
     passes.getModulePassManager().run(module, passes)
-    return machine.emit_assembly(module)
+    return module
 
 
 def splat(name: str, pointer: str, vector: str, scalar: str) -> str:
