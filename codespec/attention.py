@@ -451,6 +451,8 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
         cache = r.cache
         if cache.keys.dtype == torch.int8 and not llvmir.host_has("avx512vnni"):  # (its scores tile is not compiled)
             raise llvmir.MissingInstructions("this CPU lacks avx512vnni, which q8 caches' scores tile needs")
+        if cache.length + len(r.ids) > cache.capacity:  # the kernel writes the rows' keys there: past the end corrupts
+            raise ValueError(f"{len(r.ids)} rows at position {cache.length} overflow a cache of {cache.capacity}")
         entries.append([cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, first, cache.length,
                         len(r.ids), score_row, cache.keys.element_size()])
         score_row += heads * len(r.ids)

@@ -128,7 +128,7 @@ def test_a_row_gets_the_same_bits_alone_in_a_verify_and_beside_other_sequences()
         return out
 
     for start in (0, 5, 15, 16, 37, 1000):
-        cache, other = (StaticCache(layers, kv_heads, dim, 1024, torch.float32, "cpu") for _ in range(2))
+        cache, other = (StaticCache(layers, kv_heads, dim, 2048, torch.float32, "cpu") for _ in range(2))
         cache.keys.normal_()
         cache.values.normal_()
         other.keys.normal_()
@@ -141,3 +141,11 @@ def test_a_row_gets_the_same_bits_alone_in_a_verify_and_beside_other_sequences()
         assert torch.equal(alone[0], beside[3])
         second = run([(cache, start + 1, qk[1:2])])  # the verify's second row, as the next one-token forward
         assert torch.equal(second[0], verify[1])
+
+
+def test_rows_past_the_end_of_a_cache_are_refused_before_the_kernel_writes_them():
+    cache = StaticCache(1, 1, 16, 32, torch.float32, "cpu")
+    cache.length = 30
+    attention.make_table([Rows(cache, [0, 0], 2)], [0], 1)  # fills it exactly
+    with pytest.raises(ValueError, match="overflow a cache of 32"):
+        attention.make_table([Rows(cache, [0, 0, 0], 3)], [0], 1)
