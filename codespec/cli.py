@@ -276,10 +276,11 @@ def run_bench(args) -> int:
                                                          indent=2))
         return 0
     if args.never_slower:
-        from .bench.never_slower import format_lane, run_lane
+        from .bench.never_slower import format_lane, rounds, run_lane
 
         lane = [c for c in configs if c.spec is not None and c.name != runner.FIXED_CHAIN]  # plain among them
-        with tqdm(total=len(workloads) * len(lane) * repeats * len(lengths), desc="never slower", unit="run") as bar:
+        runs = len(workloads) * (len(lane) + 1) * sum(rounds(repeats, n) for n in lengths)
+        with tqdm(total=runs, desc="never slower", unit="run") as bar:
             data = run_lane(engine, workloads, lane, lengths, repeats, progress=bar)
         print(format_lane(data))
         (out / "never-slower.json").write_text(json.dumps(data, indent=2))
