@@ -23,7 +23,8 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
   (attention.py): a verify forward of up to 16 rows gives each row the logits of one-token forwards, bit for bit.
 
 The numba driver (`linear`) runs chunks of 16 output columns per thread, as many rows at a time as a tile takes (four,
-three, two or one), so that each unpacked block serves up to four rows.
+three, two or one with AVX-512's 32 vector registers; two or one with AVX2's 16), so that each unpacked block serves
+several rows.
 """
 
 from __future__ import annotations
@@ -38,13 +39,24 @@ from numba import prange
 from numba.core import types
 from numba.extending import intrinsic
 
+from . import llvmir
 from .errors import CodespecError
-from .llvmir import compile_ir
 
 KINDS = {"Q4_1": (16, True), "Q8_0": (32, False)}  # bytes of q per 32-weight block, whether it has a minimum
-ROWS = np.array([4, 3, 2, 1])  # the rows of each tile, one output column each (measured: 8 rows were no faster; a
-# forward over 3 rows took two passes (2 + 1 rows), 13.8 ms at 300 cached tokens, and 9.8 ms with the 3-row tile; two
-# or four columns no faster, and four columns of the Q8_0 output layer 2.2x slower)
+
+
+def tile_rows(wide_registers: bool) -> np.ndarray:
+    """The rows of each tile, one output column each, most first. A row's two 16-lane sums take two of AVX-512's 32
+    registers, but four of AVX2's 16: there the 3- and 4-row tiles spill sums to the stack in the loop (the 4-row
+    Q4_1 tile: 23 stack accesses against the 2-row's 3, its arguments), and a forward over 16 rows took 64-88 ms
+    with 2-row tiles against 79-102 ms with 4-row ones (the default model, 4 alternating runs each). On AVX-512,
+    measured: 8 rows were no faster; a forward over 3 rows took two passes (2 + 1 rows), 13.8 ms at 300 cached
+    tokens, and 9.8 ms with the 3-row tile; two or four columns no faster, and four columns of the Q8_0 output
+    layer 2.2x slower."""
+    return np.array([4, 3, 2, 1] if wide_registers else [2, 1])
+
+
+ROWS = tile_rows(llvmir.host_has("avx512f"))  # (numba's cache keeps a compiled driver per CPU: it reads ROWS)
 CHUNK = 16  # output columns a thread takes at a time
 
 VECTOR = "<16 x float>"
@@ -134,17 +146,18 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
     return text + "  ret void\n}\n"
 
 
-def source(kind: str) -> tuple[str, list[str]]:
-    """The IR module of `kind`'s tiles (one per entry of ROWS) and their names."""
-    names = [f"{kind.lower()}_{rows}" for rows in ROWS]
+def source(kind: str, rows_each=None) -> tuple[str, list[str]]:
+    """The IR module of `kind`'s tiles (one per entry of rows_each, by default this CPU's ROWS) and their names."""
+    rows_each = ROWS if rows_each is None else rows_each
+    names = [f"{kind.lower()}_{rows}" for rows in rows_each]
     return f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
-        tile_ir(name, kind, rows) for name, rows in zip(names, ROWS)), names
+        tile_ir(name, kind, rows) for name, rows in zip(names, rows_each)), names
 
 
 @functools.cache
 def tiles(kind: str) -> np.ndarray:
     """The addresses of `kind`'s tiles (one per entry of ROWS), compiled for this CPU."""
-    return compile_ir(*source(kind))
+    return llvmir.compile_ir(*source(kind))
 
 
 @intrinsic

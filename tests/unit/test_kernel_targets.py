@@ -43,3 +43,15 @@ def test_asking_for_instructions_this_cpu_lacks_is_an_error_not_an_abort():
     assert prompt_attention.available() == llvmir.host_has("avx512bf16")
     rows = attention_ir.kernels(64).shape[0]
     assert rows == (3 if llvmir.host_has("avx512vnni") else 2)  # the q8 cache's tiles only where they run
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_the_float_tiles_for_avx2_keep_their_sums_in_registers(kind):
+    """AVX2 has 16 vector registers, and each row's sums take four: its tiles take two rows (quantized.tile_rows), and
+    their loops touch the stack only for the three arguments passed there (N, out, r). A 4-row tile spills."""
+    def stack_accesses(rows_each):
+        assembly = llvmir.assembly(quantized.source(kind, rows_each)[0], AVX2)
+        return [body.split(".Lfunc_end")[0].count("(%rsp)") for body in assembly.split(f"{kind.lower()}_")[1:]
+                if ":" in body.split("\n")[0]]
+    assert max(stack_accesses(quantized.tile_rows(wide_registers=False))) <= 3
+    assert max(stack_accesses([4])) > 3

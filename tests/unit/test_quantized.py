@@ -27,7 +27,7 @@ def random_blocks(kind: str, outputs: int, inputs: int, seed: int = 0) -> quanti
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_the_kernel_multiplies_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(kind):
     """Each (row, column) is the same sequence of float operations in every tile: a row's result is the same
-    whether it comes alone, in a pair or in a block of four (11 rows: 4 + 4 + 2 + 1)."""
+    whether it comes alone or in a tile of several (11 rows: 4 + 4 + 2 + 1 with AVX-512, 2 + ... + 1 with AVX2)."""
     blocks = random_blocks(kind, 45, 192)
     weights = blocks.values().double().numpy()
     x = np.random.default_rng(1).standard_normal((11, 192)).astype(np.float32)
