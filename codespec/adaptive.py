@@ -155,8 +155,8 @@ def forward_code() -> str:
     is measured again. (A table of 2026-11-25 measured before the q8 kernels took prompts, and on a busy host,
     priced 8 rows at 24.6 ms where they took 8.7, and kept 8 sessions from verifying any draft.)"""
     digest = hashlib.sha256()
-    for module in ("forward", "graphs", "fewrows", "q8", "quantized", "attention", "attention_ir", "llvmir"):
-        digest.update((Path(__file__).parent / f"{module}.py").read_bytes())
+    for module in sorted((Path(__file__).parent / "forward").rglob("*.py")):
+        digest.update(module.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -139,7 +139,7 @@ class ModelConfig:
     forward: str = "lean"  # lean: own Llama forward with a static KV cache (graph-safe on GPUs); graphs: the
     # graph-safe one anywhere; transformers: the model's own
     weights: str = "auto"  # checkpoint: the converted model's (bfloat16 values); gguf: the GGUF's own blocks,
-    # which measured faster at every k up to 16 on these CPUs (README, "The GGUF's own blocks");
+    # which measured faster at every k up to 16 on these CPUs (docs/forward.md, "The GGUF's own blocks");
     # auto: gguf where it runs
     prompt_precision: str = "auto"  # prompt chunks' projections on a float32 CPU: bfloat16 inputs and weights with
     # float32 sums (2x the float32 matmul on CPUs with AVX512-BF16); auto: bfloat16 where it measures that much faster

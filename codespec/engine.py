@@ -72,19 +72,15 @@ def namespace(session_id: str) -> str:
 def auto_gguf(model_config: ModelConfig, model) -> Path | None:
     """--weights auto: the GGUF the model came from when its blocks can run here (the lean forward on a CPU in
     float32, numba's pool, every projection Q4_1 or Q8_0), else None (the converted checkpoint's weights)."""
-    import torch
-
-    from . import fewrows, quantized
-    from .forward import LeanLlama
+    from .forward import blocks_can_run, readable_blocks
     from .models import DEFAULT_ALIASES, gguf_source
 
     if model_config.model not in DEFAULT_ALIASES and not model_config.model.endswith(".gguf"):
         return None
-    if (model_config.forward != "lean" or model.device.type != "cpu" or model.dtype != torch.float32
-            or LeanLlama.supports(model) is not None or not fewrows.ready()):
+    if model_config.forward != "lean" or not blocks_can_run(model):
         return None
     path = gguf_source(model_config.model)
-    return None if quantized.unreadable(path) else path
+    return path if readable_blocks(path) else None
 
 
 @dataclass

@@ -24,6 +24,8 @@ from codespec.errors import CodespecError
 from codespec.request import OutputFilter, Prompt, Request, Requests
 from codespec.scheduler import QueueFull
 
+from .prompts import FENCE, build_prompt
+
 REQUEST_FAILED = -32803  # LSP's RequestFailed: valid params, but the server could not do it
 
 
@@ -90,8 +92,6 @@ class LocalBackend:
         return self.run(Request(build, params, request.spec, request.session))
 
     def rewrite(self, request: RewriteRequest) -> AsyncIterator[Piece]:
-        from .commands import FENCE, build_prompt
-
         def build(engine) -> Prompt:
             ids, reference = build_prompt(engine, request.command_id, request.values, request.selection,
                                           request.language)

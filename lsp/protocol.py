@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, dataclass, field, fields
 
+from codespec.config import DEFAULT_MODEL, SpecConfig
+
 SERVER_NAME = "codespec"
 SETTINGS_SECTION = "codespec"  # workspace/configuration section and initializationOptions key
 
@@ -75,9 +77,9 @@ class Settings:
     """initializationOptions[SETTINGS_SECTION] and workspace/didChangeConfiguration settings[SETTINGS_SECTION].
     Every key is optional; a missing one keeps its current value."""
 
-    model: str = "smollm2"  # the model to load (only read at start: a running server keeps its model)
-    spec: list[str] = field(default_factory=lambda: ["ngram-mod", "prompt-lookup"])  # drafter chain
-    draft_max: int = 16  # longest draft
+    model: str = DEFAULT_MODEL  # the model to load (only read at start: a running server keeps its model)
+    spec: list[str] = field(default_factory=lambda: list(SpecConfig().spec))  # drafter chain (config.py's)
+    draft_max: int = SpecConfig().draft_max  # longest draft (config.py's)
     max_tokens: int = 128  # longest inline completion
     command_max_tokens: int = 1024  # longest refactoring output
     debounce_ms: int = 150  # wait this long after the last keystroke before completing

@@ -47,6 +47,7 @@ from pygls.exceptions import JsonRpcException
 from codespec.stats import GenerationStats
 
 from .backend import REQUEST_FAILED, InfillRequest, Piece, RewriteRequest, Unavailable, limited
+from .prompts import FENCE, request_text
 
 API_KEY_ENV = "CODESPEC_API_KEY"
 CONNECT_SECONDS = 5.0  # a server that does not accept the connection by then is unreachable
@@ -109,8 +110,6 @@ class RemoteBackend:
     async def rewrite(self, request: RewriteRequest) -> AsyncIterator[Piece]:
         """The model answers the command's chat turn with a code block: its opening fence line is dropped here,
         and the server stops at the closing one (a stop string), so the pieces are the new code, as in process."""
-        from .commands import FENCE, request_text
-
         user, _ = request_text(request.command_id, request.values, request.selection, request.language)
         body = {"messages": [{"role": "user", "content": user}], "stop": ["\n" + FENCE], "stream": True,
                 "max_tokens": request.max_tokens + FENCE_LINE_TOKENS,

@@ -73,7 +73,7 @@ def pytest_runtest_call(item):
     ARM64 Mac, some CI hosts), what the test asks for must fail cleanly instead: its numbers are checked on CPUs
     that have the instructions (and test_kernel_targets compiles those tiles for Zen 4 on any x86 host)."""
     from codespec.errors import CodespecError
-    from codespec.llvmir import MissingInstructions, host_has
+    from codespec.forward.kernels.llvmir import MissingInstructions, host_has
 
     marker = item.get_closest_marker("needs_cpu")
     missing = [feature for feature in (marker.args if marker else ()) if not host_has(feature)]

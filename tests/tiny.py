@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from codespec.drafters import Draft, Drafter
 
-# the device the device-aware tests run on: CODESPEC_TEST_DEVICE=cuda runs them on a GPU (the README's CUDA lane)
+# the device the device-aware tests run on: CODESPEC_TEST_DEVICE=cuda runs them on a GPU (docs/contributing.md, the GPU lane)
 DEVICE = os.environ.get("CODESPEC_TEST_DEVICE", "cpu")
 VOCAB = 384
 EOS = 0  # "<eos>" is the first special token the trainer adds

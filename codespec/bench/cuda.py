@@ -96,7 +96,7 @@ def kernel_profile(run, top: int = 12) -> list[dict]:
 
 def forward_section(model, compiled: bool = True) -> dict:
     from ..forward import LeanLlama, Rows
-    from ..graphs import GraphLlama
+    from ..forward.graphs import GraphLlama
     from .forward_costs import weight_bytes
 
     context = int(model.config.max_position_embeddings)

@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..adaptive import measure_costs
-from .. import fewrows, q8
+from ..forward.kernels import fewrows, q8
 from ..forward import LeanLlama, Rows, TransformersForward
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)

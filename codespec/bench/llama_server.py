@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CodespecError
+from .workloads import Run
 
 PREFIX = "llama-server"
 PLAIN = f"{PREFIX} plain"
@@ -230,8 +231,6 @@ def run_workload(server: LlamaServer, tokenizer, workload, max_tokens: int, turn
     """All turns of a workload against one llama-server, cold, as runner.run_workload runs codespec's.
 
     prompt_for(messages, turn) gives the prompt's token ids exactly as codespec's run builds them."""
-    from .runner import Run
-
     if server.setting.stateful:
         server.restart()
     total = Run(0.0, [], None, 0, 0, server={"prompt_n": 0, "prompt_ms": 0.0, "predicted_n": 0, "predicted_ms": 0.0})

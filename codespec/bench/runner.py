@@ -12,8 +12,9 @@ import torch
 
 from ..config import SamplingParams, SpecConfig
 from ..engine import Engine
+from . import llama_server
 from .llama_server import PLAIN as PEER_PLAIN, PREFIX as PEER_PREFIX
-from .workloads import Workload
+from .workloads import Run, Workload
 
 PLAIN = "plain"
 HF_LOOKUP = "transformers prompt lookup"
@@ -29,27 +30,6 @@ class Config:
     spec: SpecConfig | None = None  # a codespec configuration
     hf_options: dict | None = None  # or transformers' own generate with these options
     server: object | None = None  # or a running llama-server (llama_server.LlamaServer): the side-by-side peer
-
-
-@dataclass
-class Run:
-    seconds: float
-    tokens: list[int]
-    forwards: int | None = None
-    drafted: int | None = None
-    accepted: int | None = None
-    prefill_seconds: float = 0.0  # time to each turn's first token: the same work for every config
-    turns: int = 0
-    outside_forwards: float = 0.0  # seconds outside target forwards (codespec configs)
-    server: dict | None = None  # llama-server's own timings, summed over turns (prompt_n/_ms, predicted_n/_ms)
-
-    @property
-    def decode_seconds(self) -> float:
-        return self.seconds - self.prefill_seconds
-
-    @property
-    def decode_tokens(self) -> int:
-        return len(self.tokens) - self.turns  # each turn's first token comes with its prefill
 
 
 class FirstTokenClock:
@@ -108,8 +88,6 @@ def turn_prompt(engine: Engine, workload: Workload, messages: list[dict], turn: 
 def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens: int, turns: int) -> Run:
     """All turns of a workload in one fresh session (and a fresh pool), as one user would see them."""
     if config.server is not None:
-        from . import llama_server
-
         return llama_server.run_workload(config.server, engine.tokenizer, workload, max_tokens, turns,
                                          lambda messages, turn: turn_prompt(engine, workload, messages, turn))
     engine.shared.pool.reset()

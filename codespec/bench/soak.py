@@ -11,7 +11,7 @@ Every --sample-seconds: the server's and the language server's RSS, and from /sl
 KV-cache bytes (those of busy sessions apart) against --session-memory, queue depth and active generations. At the end,
 per route: requests, errors by status, p50/p95 latency; and the samples as a table. Written to --out as JSON and text.
 
-    python -m codespec.bench.soak --editors 16 --minutes 10 --out codespec/bench/results/soak
+    python -m codespec.bench.soak --editors 16 --minutes 10 --out docs/benchmarks/soak
 
 --malloc glibc runs the server with glibc's default (dynamic) mmap threshold, to compare with the fixed one
 (codespec/memory.py) that the default run sets.
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-lsp", action="store_true", help="leave the language server out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-arg", action="append", default=[], help="one more `codespec serve` argument")
-    parser.add_argument("--out", default="codespec/bench/results/soak", help="folder for soak-*.json and .txt")
+    parser.add_argument("--out", default="docs/benchmarks/soak", help="folder for soak-*.json and .txt")
     args = parser.parse_args(argv)
 
     env = {**os.environ, "CODESPEC_API_KEY": ""}

@@ -28,6 +28,29 @@ class Workload:
     chat: bool = True
 
 
+@dataclass
+class Run:
+    """One workload's generation by one configuration (codespec's, transformers' or llama-server's), all turns."""
+
+    seconds: float
+    tokens: list[int]
+    forwards: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    prefill_seconds: float = 0.0  # time to each turn's first token: the same work for every config
+    turns: int = 0
+    outside_forwards: float = 0.0  # seconds outside target forwards (codespec configs)
+    server: dict | None = None  # llama-server's own timings, summed over turns (prompt_n/_ms, predicted_n/_ms)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.prefill_seconds
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.tokens) - self.turns  # each turn's first token comes with its prefill
+
+
 # (module, qualified name, change): fixed choices
 EDITS = [
     ("json.decoder", "py_scanstring", "renaming the variable `chunks` to `parts`"),

@@ -288,8 +288,8 @@ class Gateway:
 
 
 def build_app(args, replicas: int):
-    """The Serve application for parsed `codespec serve` arguments (codespec/cli.py)."""
-    from ..cli import server_config, settings_from_args
+    """The Serve application for parsed `codespec serve` arguments (codespec/cli/options.py)."""
+    from ..cli.options import server_config, settings_from_args
     from ..errors import CodespecError
     from ..models import DEFAULT_ALIASES, DEFAULT_NAME
 
@@ -320,7 +320,7 @@ def build_app(args, replicas: int):
 def app_builder(args: dict):
     """For `serve run codespec.replicas:app_builder replicas=2 model=... ` and Serve config files: the same options
     as `codespec serve` (names with dashes or underscores)."""
-    from ..cli import build_parser
+    from ..cli.options import build_parser
 
     argv = ["serve"] + [f"--{key.replace('_', '-')}={value}" for key, value in args.items() if key != "replicas"]
     return build_app(build_parser().parse_args(argv), int(args.get("replicas", 2)))

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from codespec import q8
+from codespec.forward.kernels import q8
 from codespec.config import ModelConfig, SamplingParams, SpecConfig
 from codespec.models import default_checkpoint, pull
 

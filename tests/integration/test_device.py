@@ -6,7 +6,7 @@ import pytest
 
 from codespec.config import ModelConfig, SamplingParams, SpecConfig
 from codespec.engine import Engine
-from codespec.graphs import GraphLlama
+from codespec.forward.graphs import GraphLlama
 from tests.integration.test_default_model import PROMPTS
 from tests.tiny import DEVICE
 

@@ -10,7 +10,7 @@ from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
 
 from codespec.config import SamplingParams, SpecConfig
 from codespec.context.treesitter import indent_of
-from lsp import commands
+from lsp import commands, prompts
 from lsp.protocol import REWRITE_SELECTION, SETTINGS_SECTION
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
@@ -80,8 +80,8 @@ async def test_a_rewrite_is_exactly_plain_greedy_and_drafted_from_the_selection(
     # the same prompt, decoded plainly in this process
     selection = SOURCE[SOURCE.index("def mean"): SOURCE.index("def variance")].rstrip("\n") + "\n"
     values = {"uri": arguments[0]["uri"], "range": None, "instruction": arguments[0]["instruction"]}
-    ids, _ = commands.build_prompt(default_engine, REWRITE_SELECTION.id, values, selection, "python")
-    plain = default_engine.generate(ids, SamplingParams(max_tokens=160, stop=(commands.FENCE,)),
+    ids, _ = prompts.build_prompt(default_engine, REWRITE_SELECTION.id, values, selection, "python")
+    plain = default_engine.generate(ids, SamplingParams(max_tokens=160, stop=(prompts.FENCE,)),
                                     spec=SpecConfig(spec=("none",)))
     assert change.new_text == commands.fit_to_selection(plain.text, selection)
     assert result["stats"]["tokens_per_forward"] > 1.5  # most of the rewrite was drafted, not decoded one by one

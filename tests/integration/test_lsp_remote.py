@@ -20,7 +20,7 @@ from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
 
 from codespec.config import SamplingParams, SpecConfig
 from codespec.context.treesitter import indent_of
-from lsp import commands
+from lsp import commands, prompts
 from lsp.protocol import ADD_DOCSTRINGS, REWRITE_SELECTION, SETTINGS_SECTION, STATS_NOTIFICATION
 from tests.serving import free_port
 from tests.integration.test_lsp import RANGE, SOURCE  # the same document and selection
@@ -158,11 +158,11 @@ async def test_a_rewrite_comes_back_as_an_edit_that_is_plain_greedy(client: Lang
     # the closing fence
     selection = SOURCE[SOURCE.index("def mean"): SOURCE.index("def variance")].rstrip("\n") + "\n"
     values = {"instruction": "rename the variable total to running_sum"}
-    user, _ = commands.request_text(REWRITE_SELECTION.id, values, selection, "python")
+    user, _ = prompts.request_text(REWRITE_SELECTION.id, values, selection, "python")
     plain = default_engine.generate(default_engine.encode(user, chat=True), SamplingParams(
-        max_tokens=168, stop=("\n" + commands.FENCE,)), spec=SpecConfig(spec=("none",))).text
+        max_tokens=168, stop=("\n" + prompts.FENCE,)), spec=SpecConfig(spec=("none",))).text
     first, _, rest = plain.partition("\n")
-    expected = rest if first.startswith(commands.FENCE) else plain
+    expected = rest if first.startswith(prompts.FENCE) else plain
     assert change.new_text == commands.fit_to_selection(expected, selection)
 
 

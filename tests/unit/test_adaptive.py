@@ -109,7 +109,7 @@ def test_a_batch_with_drafts_is_never_slower_than_without_by_its_costs():
 
 def test_a_pinned_cost_table_is_used_as_it_is_and_a_bad_one_stops_the_start(engine, tmp_path, monkeypatch, capsys,
                                                                             tiny_dir):
-    from codespec import attention
+    from codespec.forward.kernels import attention
     from codespec.cli import main
     from codespec.engine import Engine
 
@@ -217,7 +217,7 @@ def test_engine_measures_costs_once_and_adaptive_output_matches_plain(engine):
 def test_adaptive_flag_and_config_key(tmp_path):
     from argparse import Namespace
 
-    from codespec.cli import build_parser, settings_from_args
+    from codespec.cli.options import build_parser, settings_from_args
     from codespec.errors import CodespecError
 
     _, spec, _ = settings_from_args(build_parser().parse_args(["generate", "--no-adaptive", "x"]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codespec import attention
+from codespec.forward.kernels import attention
 from codespec.forward import LeanLlama, Rows, StaticCache
 from tests.tiny import tiny_arch_model, tiny_model
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codespec import attention
-from codespec.cli import build_parser, settings_from_args
+from codespec.forward.kernels import attention
+from codespec.cli.options import build_parser, settings_from_args
 from codespec.config import ModelConfig, SamplingParams, SpecConfig
 from codespec.engine import Engine
 from codespec.errors import CodespecError

@@ -116,7 +116,7 @@ def test_hub_id_fails_cleanly_when_unreachable(tiny_dir):
 def test_config_file_then_flags(tmp_path):
     from argparse import Namespace
 
-    from codespec.cli import build_parser, settings_from_args
+    from codespec.cli.options import build_parser, settings_from_args
     from codespec.errors import CodespecError
 
     config = tmp_path / "codespec.toml"

@@ -115,3 +115,18 @@ def test_nvim_plugin_warns_about_an_unknown_setting(tmp_path):
 def test_apply_text_edits(edits, expected):
     """The helper the Neovim test checks buffers with."""
     assert apply_text_edits("ab\ncd\n", edits) == expected
+
+
+def test_the_settings_defaults_are_config_pys_in_the_schema_and_both_editors():
+    """A default changed in codespec/config.py reaches the LSP's settings, protocol.json (Neovim reads its defaults
+    there) and the VS Code manifest, or this fails."""
+    from codespec.config import DEFAULT_MODEL, SpecConfig
+
+    expected = {"model": DEFAULT_MODEL, "spec": list(SpecConfig().spec), "draft_max": SpecConfig().draft_max}
+    schema_defaults = {s["name"]: s["default"] for s in json.loads(PROTOCOL_JSON.read_text())["settings"]}
+    section = schema()["settingsSection"]
+    properties = vscode_manifest()["contributes"]["configuration"]["properties"]
+    for name, value in expected.items():
+        assert schema_defaults[name] == value, f"editors/protocol.json's {name}: python -m lsp.protocol"
+        assert properties[f"{section}.{name}"]["default"] == value, \
+            f"package.json's {name}: cd editors/vscode && npm run update-manifest"

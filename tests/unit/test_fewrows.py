@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from codespec import attention, fewrows
+from codespec.forward.kernels import attention, fewrows
 from codespec.forward import LeanLlama, Rows, TransformersForward
 from tests.tiny import tiny_arch_model
 
@@ -120,7 +120,7 @@ def test_the_mlp_gate_runs_16_lanes_at_a_time_within_a_few_units_in_the_last_pla
     gates take and far past it (exp clamped at +-88: no inf, no NaN)."""
     import ctypes
 
-    from codespec import llvmir
+    from codespec.forward.kernels import llvmir
 
     silu_mul = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(llvmir.silu_mul())
     rng = np.random.default_rng(0)

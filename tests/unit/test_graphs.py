@@ -12,7 +12,7 @@ from codespec.config import SamplingParams, SpecConfig
 from codespec.engine import Engine
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, Rows, forward_path
-from codespec.graphs import WIDTH, GraphLlama
+from codespec.forward.graphs import WIDTH, GraphLlama
 from tests.conftest import random_prompt
 from tests.tiny import DEVICE, EOS, tiny_arch_model, tiny_tokenizer
 
@@ -126,7 +126,7 @@ def test_seeded_sampling_repeats_on_the_graph_safe_forward():
 
 def limit_caches(monkeypatch, engine, room: int):
     """From now on the device holds `room` more caches: another one fails as a GPU's allocation would."""
-    from codespec import graphs
+    from codespec.forward import graphs
 
     engine.costs  # measured first, on a cache of its own
     engine.path.free.clear()

@@ -84,7 +84,7 @@ def test_after_a_cached_prefix_the_text_and_the_cache_are_those_of_a_fresh_sessi
 
 
 def test_the_flag_reaches_the_engine_and_conflicts_are_refused(tmp_path):
-    from codespec.cli import build_parser, settings_from_args
+    from codespec.cli.options import build_parser, settings_from_args
     from codespec.errors import CodespecError
 
     model_config, _, _ = settings_from_args(build_parser().parse_args(["generate", "--invariant", "off", "x"]))

@@ -6,7 +6,7 @@ they exist for; on a CPU without those, asking for them is a Python error, never
 
 import pytest
 
-from codespec import attention_ir, llvmir, prompt_attention, q8, quantized
+from codespec.forward.kernels import attention_ir, llvmir, prompt_attention, q8, quantized
 
 AVX2 = "haswell"
 AVX512 = "znver4"  # AVX512-VNNI and AVX512-BF16

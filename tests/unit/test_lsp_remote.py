@@ -8,7 +8,7 @@ import httpx
 import pytest
 from pygls.exceptions import JsonRpcException
 
-from codespec.cli import build_parser
+from codespec.cli.options import build_parser
 from codespec.context.fim import SuffixTrimmer
 from codespec.request import BlockLimit
 from lsp.backend import InfillRequest, RewriteRequest, Unavailable

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codespec import prompt_attention
+from codespec.forward.kernels import prompt_attention
 from codespec.forward import Rows, forward_path
 from tests.tiny import tiny_arch_model
 from tests.unit.test_quantized import write_gguf
@@ -114,7 +114,7 @@ def test_prompt_chunks_batched_together_get_the_bits_they_get_alone(tmp_path):
 def test_a_prompts_split_into_chunks_does_not_change_its_logits(tmp_path):
     """With q8 activations every row's projections and prompt attention are its own: one chunk of 1,200 rows (whose
     MLP runs in slices of rows, fewrows.MLP_BYTES) and three of 400 give the same bits."""
-    from codespec import fewrows
+    from codespec.forward.kernels import fewrows
 
     model = tiny_arch_model("llama", dtype=torch.float32, context=2048)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from codespec.config import ModelConfig
-from codespec import fewrows
+from codespec.forward.kernels import fewrows
 from codespec.forward import LeanLlama, Rows, bfloat16_pays
 from tests.tiny import tiny_arch_model
 

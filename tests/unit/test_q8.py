@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from codespec import q8
+from codespec.forward.kernels import q8
 from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 from codespec.forward import Rows, forward_path

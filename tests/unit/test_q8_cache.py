@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers
 
-from codespec import attention
-from codespec.cli import build_parser, settings_from_args
-from codespec import q8
+from codespec.forward.kernels import attention
+from codespec.cli.options import build_parser, settings_from_args
+from codespec.forward.kernels import q8
 from codespec.errors import CodespecError
 from codespec.forward import Rows, StaticCache, forward_path
 from tests.tiny import VOCAB, tiny_arch_model, tiny_config

@@ -1,4 +1,4 @@
-"""--weights gguf: a GGUF's own Q4_1 / Q8_0 blocks in the few-row forward (codespec/quantized.py)."""
+"""--weights gguf: a GGUF's own Q4_1 / Q8_0 blocks in the few-row forward (codespec/forward/kernels/quantized.py)."""
 
 import gguf
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 from gguf import GGMLQuantizationType as Type
 from gguf import quants
 
-from codespec import quantized
+from codespec.forward.kernels import quantized
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, Rows, forward_path
 from tests.tiny import tiny_arch_model

@@ -3,7 +3,7 @@ options come from `codespec serve`'s (built offline: nothing starts Ray here).""
 
 import pytest
 
-from codespec.cli import build_parser
+from codespec.cli.options import build_parser
 from codespec.errors import CodespecError
 from codespec.replicas import app_builder, build_app
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from codespec import cli
+from codespec.cli import options as cli
 from codespec.config import SamplingParams, ServerConfig, SpecConfig
 from codespec.engine import Engine
 from codespec.server import create_app

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import CodespecError, DeviceMemoryFull
+from ..errors import CodespecError, DeviceMemoryFull
+from .rows import Rows
 
 WIDTH = 16  # rows of every generating forward: pending tokens plus at most WIDTH - 1 draft tokens
 BLOCK = 256  # keys per block of the attention's value products (a cache's size is a multiple of it)
@@ -123,7 +124,7 @@ class GraphLlama:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         # torch.compile of the generating forward (fixed shapes: compiled once), meant to fuse a layer's small
         # kernels; measured on an H100 it made the graph slower (float32 4.3 -> 12.3 ms, bfloat16 3.6 -> 7.1 ms:
-        # more kernels, not fewer), so it is off unless asked for (results/cuda/forward-*.json)
+        # more kernels, not fewer), so it is off unless asked for (docs/benchmarks/cuda/forward-*.json)
         self.compiled = bool(compiled)
         self.step = torch.compile(self.forward, dynamic=False) if self.compiled else self.forward
         self.heads, self.kv_heads, self.head_dim = lean.heads, lean.kv_heads, lean.head_dim
@@ -163,7 +164,6 @@ class GraphLlama:
 
     @torch.no_grad()
     def __call__(self, cache: SlotCache, input_ids: list[int], logits_to_keep: int) -> torch.Tensor:
-        from .forward import Rows
 
         return self.batch([Rows(cache, input_ids, logits_to_keep)])[0]
 
@@ -194,7 +194,6 @@ class GraphLlama:
         """Feed ids, then decode `count` tokens greedily with count - 1 more forwards, without waiting for the device
         between them: each forward's argmax is the next one's input, copied on the device (a draft model's loop:
         two waits per draft, not two per token). The last token is not fed."""
-        from .forward import Rows
 
         rows = Rows(cache, ids, 1)
         self.batch([rows])

@@ -33,7 +33,6 @@ import itertools
 import math
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Union
 
@@ -42,21 +41,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from . import attention, fewrows, prompt_attention, q8, quantized
-from .errors import CodespecError
-
-
-@dataclass
-class Rows:
-    """One sequence's share of a forward: `ids` at positions cache.length.., logits for the last `keep`."""
-
-    cache: object
-    ids: list[int]
-    keep: int
-    generating: bool = False  # the forward yields a token for it (not a prefill chunk)
-    prompt: bool = False  # a chunk of a prompt: its projections may run in bfloat16 (LeanLlama.prompt_weights)
-    seconds: float = 0.0  # how long the forward it was part of took, once it ran
-    targets: Optional[list[int]] = None  # the argmax of each kept row, where the path took it (graphs.py)
+from ..errors import CodespecError
+from .kernels import attention, fewrows, prompt_attention, q8, quantized
+from .rows import Rows, StaticCache
 
 
 class Linear:
@@ -85,48 +72,6 @@ def reordered_qkv(attn, heads: int, kv_heads: int, head_dim: int, order: torch.T
         return values.view(count, head_dim, -1)[:, order].reshape(values.shape)
     return torch.cat([part(attn.q_proj, heads) * scale, part(attn.k_proj, kv_heads),
                       attn.v_proj.bias if bias else attn.v_proj.weight]).contiguous()
-
-
-class StaticCache:
-    """Keys and values for every layer: [layers, kv_heads, capacity, head_dim] each, written by position.
-    Grows by doubling when a forward needs more room; `crop` only moves the length."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
-        # q8 (int8): each key's or value's head_dim integers, then its float32 scale as 4 bytes
-        self.shape = (layers, kv_heads, capacity, head_dim + 4 if dtype == torch.int8 else head_dim)
-        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
-        self.values = torch.zeros(self.shape, dtype=dtype, device=device)
-        self.length = 0
-        self.laid = None  # prompt_attention.Laid: the keys and values as its tiles read them, while a prompt runs
-
-    @property
-    def capacity(self) -> int:
-        return self.shape[2]
-
-    def reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        layers, heads, capacity, head_dim = self.shape
-        # a multiple of 16: attention's tiles read keys 16 at a time
-        self.shape = (layers, heads, attention.padded_width(max(needed, 2 * capacity)), head_dim)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            grown = old.new_zeros(self.shape)
-            grown[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, grown)
-
-    def crop(self, new_len: int) -> None:
-        self.length = min(self.length, new_len)
-        self.changed(new_len)
-
-    def changed(self, position: int) -> None:
-        """Positions from `position` on are rewritten (a crop, or keys and values moved there)."""
-        if self.laid is not None:
-            self.laid.changed(position)
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + (self.laid.nbytes if self.laid is not None else 0)
 
 
 class LeanLlama:
@@ -588,6 +533,23 @@ class TransformersForward:
         """One forward per sequence: transformers' caches of different lengths do not stack without padding
         every row and mask, which most architectures' cache classes do not support for rollback."""
         return [self(r.cache, r.ids, r.keep) for r in rows]
+
+
+def blocks_can_run(model) -> bool:
+    """Whether a GGUF's own blocks can run for `model` here: the lean forward on a CPU in float32, with numba's
+    pool (--weights auto takes them where this holds and the file's projections are readable_blocks)."""
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and LeanLlama.supports(model) is None
+            and fewrows.ready())
+
+
+def readable_blocks(path: Path) -> bool:
+    """Whether every projection of the GGUF at `path` is in a block format the kernels read."""
+    return not quantized.unreadable(path)
+
+
+def q8_available() -> bool:
+    """Whether this CPU has the instructions the q8 activations' kernels need (AVX512-VNNI)."""
+    return q8.available()
 
 
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",

@@ -40,7 +40,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from . import llvmir
-from .errors import CodespecError
+from ...errors import CodespecError
 
 KINDS = {"Q4_1": (16, True), "Q8_0": (32, False)}  # bytes of q per 32-weight block, whether it has a minimum
 

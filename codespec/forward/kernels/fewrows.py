@@ -21,7 +21,7 @@ they may with oneDNN's GEMM (which forwards over more than `FEW_ROWS` rows use);
 stay identical. The q and k heads go to the attention kernel as a contiguous copy: as a strided view of the
 q/k/v projection, numba compiles the kernel's dot products unvectorised (measured: 4 rows at 2,500 cached
 tokens, scores 21 -> 6 ms per forward).
-Measured on 2 AVX2 cores, default model: see the forward-cost table in the README.
+Measured on 2 AVX2 cores, default model: see the forward-cost table in docs/benchmarks.md.
 """
 
 from __future__ import annotations

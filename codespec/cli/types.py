@@ -1,0 +1,102 @@
+"""The command line's argument types and shared option groups: light (no torch), so that the parsers of
+`codespec` (cli/options.py) and `codespec bench` (bench/command.py) build from them without importing either."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import (ACTIVATIONS_CHOICES, CACHE_TYPES, DEFAULT_MODEL, DRAFT_MAX_LIMIT, FORWARD_CHOICES,
+                      INVARIANT_CHOICES, PROMPT_PRECISION_CHOICES, WEIGHTS_CHOICES, SpecConfig, unknown_drafters)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but usage mistakes print one line and exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"codespec: error: {message}\n")
+
+
+def spec_list(value: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    problem = unknown_drafters(names)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return names
+
+
+def name_list(value: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+def bounded_int(low: int, high: int):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{number} is outside {low}..{high}")
+        return number
+    return parse
+
+
+# add_model_options' flags: ModelConfig's fields
+MODEL_FLAGS = ("model", "device", "dtype", "forward", "weights", "prompt_precision", "cache_type", "activations",
+               "invariant", "context")
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help=f"{DEFAULT_MODEL} (default, embedded), a transformers directory, "
+                                        "a .gguf file, or a hub id")
+    parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", help="auto (default: float32 on cpu, and on cuda for models up to 1.5B "
+                        "parameters, else bfloat16), float32, bfloat16, float16")
+    parser.add_argument("--forward", choices=FORWARD_CHOICES,
+                        help="lean (default: own Llama forward, static KV cache; graph-safe on GPUs), graphs (the "
+                             "graph-safe forward anywhere) or transformers")
+    parser.add_argument("--ctx-size", "-c", dest="context", type=int,
+                        help="tokens of context, prompt plus output (default 0: the model's own, 8,192 for the "
+                             "default model); on GPUs each session's cache has this fixed size")
+    parser.add_argument("--weights", choices=WEIGHTS_CHOICES,
+                        help="auto (default: gguf where it runs, else checkpoint), checkpoint (the converted model, "
+                             "bfloat16 values in float32) or gguf (the GGUF's own Q4_1/Q8_0 blocks, as llama-server "
+                             "reads them: CPU, float32, lean forward)")
+    parser.add_argument("--prompt-precision", choices=PROMPT_PRECISION_CHOICES,
+                        help="how prompt chunks of more than 16 tokens are multiplied on a CPU in float32: auto "
+                             "(default: bfloat16 where it measures faster), float32, or bfloat16 (inputs and weights "
+                             "rounded to bfloat16, float32 sums); generated tokens always use float32")
+    parser.add_argument("--cache-type", choices=CACHE_TYPES,
+                        help="the KV cache's element type: auto (default: f16 where it runs, else f32), f32 (the "
+                             "model's dtype), f16 (llama.cpp's default: half the memory and of what attention "
+                             "reads; CPU, float32, lean forward) or q8 (8-bit integers and a scale per key and value, "
+                             "as llama.cpp's q8_0: 53%% of f16's bytes; with --activations q8)")
+    parser.add_argument("--invariant", choices=INVARIANT_CHOICES,
+                        help="on (default): every CPU forward in per-row kernels, prompts included, so the text does "
+                             "not depend on how a prompt was chunked, batched with other sessions or cached (prefill "
+                             "about 2x slower on AVX2 CPUs); off: long prompt chunks in faster GEMMs whose bits "
+                             "depend on the chunk")
+    parser.add_argument("--activations", choices=ACTIVATIONS_CHOICES,
+                        help="what a GGUF's blocks multiply: auto (default: q8 where the CPU has AVX512-VNNI), q8 "
+                             "(inputs rounded to 8 bits per 32 and exact integer sums, as llama.cpp multiplies them) "
+                             "or float32")
+
+
+def add_spec_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per SpecConfig field (defaults and their reasons live in codespec/config.py).
+    Flags default to None so that a config file's value stands unless the flag is given."""
+    from dataclasses import fields
+
+    defaults = SpecConfig()
+    for field in fields(SpecConfig):
+        if field.name == "spec":
+            continue
+        default = getattr(defaults, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default {default})")
+            continue
+        if field.name in ("draft_max", "draft_min"):
+            kind = bounded_int(1, DRAFT_MAX_LIMIT)
+        else:
+            kind = type(default) if default is not None else str
+        parser.add_argument(flag, type=kind, default=None, help=f"(default {default})")

@@ -1,0 +1,66 @@
+"""What a forward reads and writes: one sequence's share of it (`Rows`) and a session's KV cache (`StaticCache`).
+Every path (lean.py, graphs.py) and the kernels take these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .kernels import attention
+
+
+@dataclass
+class Rows:
+    """One sequence's share of a forward: `ids` at positions cache.length.., logits for the last `keep`."""
+
+    cache: object
+    ids: list[int]
+    keep: int
+    generating: bool = False  # the forward yields a token for it (not a prefill chunk)
+    prompt: bool = False  # a chunk of a prompt: its projections may run in bfloat16 (LeanLlama.prompt_weights)
+    seconds: float = 0.0  # how long the forward it was part of took, once it ran
+    targets: Optional[list[int]] = None  # the argmax of each kept row, where the path took it (graphs.py)
+
+
+class StaticCache:
+    """Keys and values for every layer: [layers, kv_heads, capacity, head_dim] each, written by position.
+    Grows by doubling when a forward needs more room; `crop` only moves the length."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        # q8 (int8): each key's or value's head_dim integers, then its float32 scale as 4 bytes
+        self.shape = (layers, kv_heads, capacity, head_dim + 4 if dtype == torch.int8 else head_dim)
+        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.values = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.length = 0
+        self.laid = None  # prompt_attention.Laid: the keys and values as its tiles read them, while a prompt runs
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    def reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        layers, heads, capacity, head_dim = self.shape
+        # a multiple of 16: attention's tiles read keys 16 at a time
+        self.shape = (layers, heads, attention.padded_width(max(needed, 2 * capacity)), head_dim)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            grown = old.new_zeros(self.shape)
+            grown[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, grown)
+
+    def crop(self, new_len: int) -> None:
+        self.length = min(self.length, new_len)
+        self.changed(new_len)
+
+    def changed(self, position: int) -> None:
+        """Positions from `position` on are rewritten (a crop, or keys and values moved there)."""
+        if self.laid is not None:
+            self.laid.changed(position)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + (self.laid.nbytes if self.laid is not None else 0)
