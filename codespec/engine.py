@@ -333,11 +333,8 @@ class Engine:
         string (healing.heal) the output must start with; its text is not part of the output."""
         params = params or SamplingParams()
         spec = spec or self.spec
-        try:
-            params.validate()
-            spec.validate()
-        except ValueError as exc:
-            raise CodespecError(str(exc)) from None
+        params.validate()
+        spec.validate()
         prompt_ids = self.prompt_ids(prompt, chat)
         session = self.session(session_id, spec)
         session.chain.set_reference(reference)  # every generation: one without a reference clears it

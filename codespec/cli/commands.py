@@ -96,11 +96,8 @@ def run_lsp(args) -> int:
             raise CodespecError(f"--tcp wants HOST:PORT, got {args.tcp!r}")
         tcp = (host, int(port))
     given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
-    try:
-        model_config = ModelConfig(**given)
-        model_config.validate()
-    except ValueError as exc:
-        raise CodespecError(str(exc)) from None
+    model_config = ModelConfig(**given)
+    model_config.validate()
     server_url = None
     if args.server is not None:
         server_url = args.server if "://" in args.server else f"http://{args.server}"

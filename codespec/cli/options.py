@@ -136,12 +136,9 @@ def settings_from_args(args) -> tuple[ModelConfig, SpecConfig, SamplingParams]:
             given = getattr(args, field.name, None)
             if given is not None:
                 values[field.name] = tuple(given) if isinstance(given, list) else given
-        try:
-            settings = cls(**values)
-            if hasattr(settings, "validate"):
-                settings.validate()
-        except ValueError as exc:
-            raise CodespecError(str(exc)) from None
+        settings = cls(**values)
+        if hasattr(settings, "validate"):
+            settings.validate()
         built.append(settings)
     return tuple(built)
 
@@ -152,10 +149,7 @@ def server_config(args) -> ServerConfig:
                           parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20,
                           allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                           read_timeout=args.read_timeout, n_predict=serve_n_predict(args))
-    try:
-        config.validate()
-    except ValueError as exc:
-        raise CodespecError(str(exc)) from None
+    config.validate()
     return config
 
 

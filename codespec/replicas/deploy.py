@@ -290,15 +290,11 @@ class Gateway:
 def build_app(args, replicas: int):
     """The Serve application for parsed `codespec serve` arguments (codespec/cli/options.py)."""
     from ..cli.options import server_config, settings_from_args
-    from ..errors import CodespecError
     from ..models import DEFAULT_ALIASES, DEFAULT_NAME
 
     model, spec, params = settings_from_args(args)
     server = server_config(args)
-    try:
-        model.validate()
-    except ValueError as exc:
-        raise CodespecError(str(exc)) from None
+    model.validate()
     name = DEFAULT_NAME if model.model in DEFAULT_ALIASES else model.model
     aliases = DEFAULT_ALIASES if model.model in DEFAULT_ALIASES else ()
     cpus = args.replica_cpus

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..config import SamplingParams, ServerConfig, SpecConfig
-from ..errors import CodespecError
 from ..request import Request, Requests, Run
 
 MIN_REUSE = 8  # shared prompt tokens that make a slot worth reusing over an empty one
@@ -118,11 +117,8 @@ class Generations:
         params, spec = replace(self.params, **updates), replace(self.spec, **spec_updates)
         if "draft_max" in spec_updates and "draft_min" not in spec_updates:
             spec = replace(spec, draft_min=min(spec.draft_min, spec.draft_max))
-        try:
-            params.validate()
-            spec.validate()
-        except ValueError as exc:
-            raise CodespecError(str(exc)) from None
+        params.validate()
+        spec.validate()
         return params, spec
 
     @staticmethod

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from codespec.cli import main
+from codespec.errors import CodespecError
 
 
 @pytest.fixture(autouse=True)
@@ -165,3 +166,15 @@ def test_draft_model_with_another_vocabulary_is_refused(capsys, tiny_dir, tmp_pa
     assert code == 1 and "vocabulary differs" in err
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_dir), "--spec", "draft", "x")
     assert code == 1 and "--draft-model" in err
+
+
+def test_a_setting_out_of_range_is_a_one_line_error_wherever_it_is_validated():
+    """validate() raises config.InvalidSetting: a CodespecError (one line to the user, a 4xx from the server) that
+    code checking for ValueError still catches, so no caller wraps it."""
+    from codespec.config import InvalidSetting, ModelConfig, SamplingParams, ServerConfig, SpecConfig
+
+    for setting, message in ((SpecConfig(draft_max=0), "draft-max"), (SamplingParams(top_p=2.0), "top-p"),
+                             (ModelConfig(context=-1), "ctx-size"), (ServerConfig(port=70000), "port")):
+        with pytest.raises(InvalidSetting, match=message) as raised:
+            setting.validate()
+        assert isinstance(raised.value, CodespecError) and isinstance(raised.value, ValueError)
