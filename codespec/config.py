@@ -18,13 +18,13 @@ SPEC_CHOICES = ("none", "prompt-lookup", "ngram-mod", "ngram-map-k", "ngram-map-
 MODEL_DRAFTERS = ("draft",)  # drafters that run a model: last in a chain, the draftless ones are cheaper
 FORWARD_CHOICES = ("lean", "graphs", "transformers")  # lean falls back to transformers for non-Llama models, and
 # runs graph-safe (graphs.py: fixed shapes, CUDA graphs) on GPUs; graphs: that forward on any device (CPUs: tests)
-WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (quantized.py);
+WEIGHTS_CHOICES = ("auto", "checkpoint", "gguf")  # gguf: the GGUF's own Q4_1 / Q8_0 blocks (block_tiles.py);
 # auto: those where they can run (a GGUF's Llama/Qwen2 model on a CPU in float32 on the lean forward), else checkpoint
 INVARIANT_CHOICES = ("on", "off")  # whether a token's numbers are the same in any chunk or batch (forward.LeanLlama)
 PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of prompt chunks (forward.LeanLlama)
 CACHE_TYPES = ("auto", "f32", "f16", "q8")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's
 # dtype; auto: f16 where the CPU attention kernel reads it (float32 on CPUs, lean forward), else f32
-ACTIVATIONS_CHOICES = ("auto", "float32", "q8")  # what a GGUF's blocks multiply (q8.py): q8 rounds the inputs to 8 bits
+ACTIVATIONS_CHOICES = ("auto", "float32", "q8")  # what a GGUF's blocks multiply (q8_tiles.py): q8 rounds the inputs to 8 bits
 # per block of 32, as llama.cpp does, and sums in exact integers (VNNI); auto: q8 where the CPU has AVX512-VNNI
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf

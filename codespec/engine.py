@@ -94,7 +94,7 @@ class Engine:
     forward: str = "lean"  # see ModelConfig.forward
     session_memory: int = SESSION_MEMORY  # KV-cache bytes named sessions may hold; evict() drops the idlest
     cache_reuse: int = 0  # > 0: reuse cached chunks of at least this many tokens at new positions (Session.prepare)
-    gguf: Path | None = None  # --weights gguf: the lean forward runs this file's own blocks (quantized.py)
+    gguf: Path | None = None  # --weights gguf: the lean forward runs this file's own blocks (block_tiles.py)
     prompt_precision: str = ModelConfig.prompt_precision
     cache_type: str = ModelConfig.cache_type
     activations: str = ModelConfig.activations

@@ -60,7 +60,7 @@ def pytest_unconfigure(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_cpu(*features): the test's kernels need these CPU features (LLVM's "
                             "names, e.g. avx512vnni); on a CPU without them it must be refused with an error naming "
-                            "one (llvmir.MissingInstructions or a CodespecError), never an abort nor a silent result")
+                            "one (capabilities.MissingInstructions or a CodespecError), never an abort nor a silent result")
 
 
 def _plain(name: str) -> str:
@@ -73,7 +73,7 @@ def pytest_runtest_call(item):
     ARM64 Mac, some CI hosts), what the test asks for must fail cleanly instead: its numbers are checked on CPUs
     that have the instructions (and test_kernel_targets compiles those tiles for Zen 4 on any x86 host)."""
     from codespec.errors import CodespecError
-    from codespec.forward.kernels.llvmir import MissingInstructions, host_has
+    from codespec.forward.kernels.capabilities import MissingInstructions, host_has
 
     marker = item.get_closest_marker("needs_cpu")
     missing = [feature for feature in (marker.args if marker else ()) if not host_has(feature)]

@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..adaptive import measure_costs
-from ..forward.kernels import fewrows, q8
+from ..forward.kernels import layers, q8_tiles
 from ..forward import LeanLlama, Rows, TransformersForward
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -92,15 +92,15 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
     bandwidth = read_bandwidth()
     fp32_bytes = weight_bytes(model) * 4 // model.dtype.itemsize
     lean, wide = LeanLlama(model), LeanLlama(model)
-    wide.fewrows = None
-    paths = [("lean float32", lean, lean.fewrows.nbytes if lean.fewrows else fp32_bytes),
+    wide.kernel_weights = None
+    paths = [("lean float32", lean, lean.kernel_weights.nbytes if lean.kernel_weights else fp32_bytes),
              ("lean, PyTorch only", wide, fp32_bytes), ("transformers float32", TransformersForward(model), fp32_bytes)]
     if gguf is not None:
         blocks = LeanLlama(copy.deepcopy(model), gguf, activations="float32")
-        paths.insert(1, ("lean, --weights gguf", blocks, blocks.fewrows.nbytes))
-        if q8.available():
+        paths.insert(1, ("lean, --weights gguf", blocks, blocks.kernel_weights.nbytes))
+        if q8_tiles.available():
             blocks = LeanLlama(copy.deepcopy(model), gguf, activations="q8")
-            paths.insert(1, ("gguf, q8 activations", blocks, blocks.fewrows.nbytes))
+            paths.insert(1, ("gguf, q8 activations", blocks, blocks.kernel_weights.nbytes))
     if model.device.type == "cpu" or torch.cuda.is_bf16_supported():
         half = copy.deepcopy(model).to(torch.bfloat16)
         paths.append(("lean bfloat16", LeanLlama(half), fp32_bytes // 2))
@@ -117,7 +117,7 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
     for path in (prefill_paths or [lean]) if model.device.type == "cpu" else []:
         prefill.update(prefill_rates(path, vocab_size))
     return {"read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_mb_float32": round(fp32_bytes / 1e6, 1),
-            "reads_16_bits_up_to": fewrows.FEW_ROWS if lean.fewrows else 0,
+            "reads_16_bits_up_to": layers.FEW_ROWS if lean.kernel_weights else 0,
             "prefill_tok_s": prefill,
             "rows": rows, "profile": [profile(lean, vocab_size, k) for k in (1, 16)]}
 

@@ -14,11 +14,11 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   21.7 ms per layer as two matmuls and a softmax, 7.2 ms fused (a 3,000-token prompt: 13.4 s -> 8.5 s).
   On CPUs in float32, sequences with at most attention.FEW_ROWS rows (decoding, verifies: what many sessions in
   one forward have) attend in one kernel call per layer that streams their caches instead (attention.py).
-  Forwards over at most fewrows.FEW_ROWS rows leave PyTorch altogether: fewrows.py runs every layer in numba,
-  reading a GGUF's own 4- and 8-bit blocks (quantized.py; the default model's, with --weights auto or gguf) or
+  Forwards over at most layers.FEW_ROWS rows leave PyTorch altogether: layers.py runs every layer in numba,
+  reading a GGUF's own 4- and 8-bit blocks (block_tiles.py; the default model's, with --weights auto or gguf) or
   bfloat16-valued weights as 16 bits (the converted checkpoint's). Long prompt chunks (compute-bound) may take
   a copy of the projections in bfloat16 instead, in a forward of their own (--prompt-precision). With q8
-  activations (q8.py; the default on CPUs with AVX512-VNNI) every forward runs in numba, prompts included, and
+  activations (q8_tiles.py; the default on CPUs with AVX512-VNNI) every forward runs in numba, prompts included, and
   every sequence but a prompt chunk attends in attention.py's kernel: verifies of any length are batch-invariant.
 - `TransformersForward` runs anything else through the model's own forward with transformers' cache,
   built so that a rollback works on every layer type (`TransformersCache`).
@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..errors import CodespecError
-from .kernels import attention, fewrows, prompt_attention, q8, quantized
+from .kernels import attention, block_tiles, layers, prompt_attention, q8_tiles
 from .rows import Rows, StaticCache
 
 
@@ -101,10 +101,10 @@ class LeanLlama:
         scale = 1.0 / math.sqrt(self.head_dim)
         blocks = None  # --weights gguf: the file's own blocks, whose values replace the model's weights first
         if gguf is not None:
-            if self.device.type != "cpu" or self.dtype != torch.float32 or not fewrows.ready():
+            if self.device.type != "cpu" or self.dtype != torch.float32 or not layers.ready():
                 raise CodespecError("--weights gguf runs on CPUs in float32 (--device cpu --dtype float32), with "
                                     "numba's OpenMP pool (the system's libgomp)")
-            blocks = quantized.read_gguf(gguf, model, order, scale)
+            blocks = block_tiles.read_gguf(gguf, model, order, scale)
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
@@ -125,9 +125,9 @@ class LeanLlama:
             projections += [linear.weight for linear in linears]
         self.packed = self.lm_head.packed is not None
         self.projections = projections  # float32, for prompt_weights
-        # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (fewrows.py)
-        # or, with --weights gguf, reading the GGUF's own 4- and 8-bit blocks (quantized.py)
-        self.fewrows = None
+        # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (layers.py)
+        # or, with --weights gguf, reading the GGUF's own 4- and 8-bit blocks (block_tiles.py)
+        self.kernel_weights = None
         self._norms = [norm for layer in inner.layers for norm in (layer.input_layernorm.weight,
                                                                    layer.post_attention_layernorm.weight)]
         self.reads = "float32"  # what forwards over few rows read: for the cost cache's key
@@ -137,16 +137,16 @@ class LeanLlama:
             self.use_activations(activations)
         elif activations == "q8":
             raise CodespecError("--activations q8 multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
-        elif all(fewrows.exact(w) for w in projections + [self.lm_head.weight]) and fewrows.ready():
-            self.fewrows = fewrows.Weights(self._norms, self.biases, projections, self.norm, self.lm_head.weight)
+        elif all(layers.exact(w) for w in projections + [self.lm_head.weight]) and layers.ready():
+            self.kernel_weights = layers.Weights(self._norms, self.biases, projections, self.norm, self.lm_head.weight)
             self.reads = "16 bits"
         self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
                                 and attention.ready())
-        # every forward in numba's per-row kernels (fewrows.py, attention.py), prompt chunks of any length too: a
+        # every forward in numba's per-row kernels (layers.py, attention.py), prompt chunks of any length too: a
         # row's numbers never depend on the rows beside it (its chunk, other sessions), so neither does the text.
-        # Only on a GGUF's blocks (quantized.py's and q8.py's tiles sum each row alike in any tile; the 16-bit
+        # Only on a GGUF's blocks (block_tiles.py's and q8_tiles.py's tiles sum each row alike in any tile; the 16-bit
         # checkpoint kernel sums rows in fours, twos and ones differently), on a CPU in float32.
-        self.invariant = invariant and self.blocks is not None and self.fewrows is not None and self.few_rows_kernel
+        self.invariant = invariant and self.blocks is not None and self.kernel_weights is not None and self.few_rows_kernel
         self.use_prompt_precision(prompt_precision)
         self.use_cache_type(cache_type)
         self._wide = torch.empty(0)  # see _batch
@@ -155,14 +155,14 @@ class LeanLlama:
         # float32 angles and cos/sin, as transformers computes them (for every model dtype)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.int64).float() / half))
         self.rotary = self._rotary(self.INITIAL_CAPACITY)
-        if self.fewrows is not None:
+        if self.kernel_weights is not None:
             self._warm()
 
     def _warm(self) -> None:
         """A prompt chunk and a decoding step on a scratch cache, so that numba loads every kernel a request takes
         (from its disk cache, or compiling them) now, not in the first request: that took ~0.9 s of its prefill."""
         cache = self.new_cache()
-        self.batch([Rows(cache, [0] * (fewrows.FEW_ROWS + 1), 1, prompt=True)])
+        self.batch([Rows(cache, [0] * (layers.FEW_ROWS + 1), 1, prompt=True)])
         self.batch([Rows(cache, [0], 1)])
 
     @staticmethod
@@ -188,7 +188,7 @@ class LeanLlama:
         return None
 
     def use_prompt_precision(self, precision: str) -> None:
-        """How prompt chunks over more than fewrows.FEW_ROWS rows are multiplied (ModelConfig.prompt_precision).
+        """How prompt chunks over more than layers.FEW_ROWS rows are multiplied (ModelConfig.prompt_precision).
         bfloat16 (or auto, where that measures faster): in a forward of their own through prompt_weights, the
         projections rounded to bfloat16, with float32 sums. Generated tokens and verified drafts always go
         through self.weights, so speculative and plain decoding still agree; what changes is the cache of a long
@@ -211,18 +211,18 @@ class LeanLlama:
 
     def use_activations(self, activations: str) -> None:
         """What the GGUF's blocks multiply (ModelConfig.activations). q8 (and auto, on CPUs with AVX512-VNNI):
-        each row's inputs rounded to 8 bits per block of 32, exact integer sums (q8.py), in every forward (PyTorch's
+        each row's inputs rounded to 8 bits per block of 32, exact integer sums (q8_tiles.py), in every forward (PyTorch's
         float32 products over more rows would give other logits). float32: the inputs as they are, in the float
-        tiles (quantized.py) for forwards over up to fewrows.FEW_ROWS rows, PyTorch's GEMM beyond."""
+        tiles (block_tiles.py) for forwards over up to layers.FEW_ROWS rows, PyTorch's GEMM beyond."""
         if self.blocks is None:
             raise CodespecError("--activations multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
-        if activations == "q8" and not q8.available():
+        if activations == "q8" and not q8_tiles.available():
             raise CodespecError("--activations q8 needs a CPU with AVX512-VNNI; use --activations float32")
-        self.q8 = activations == "q8" or (activations == "auto" and q8.available())
+        self.q8 = activations == "q8" or (activations == "auto" and q8_tiles.available())
         if self.q8:
             self.prompt_weights = None  # (use_prompt_precision) no forward goes to PyTorch's path
         projections = [b for layer in self.blocks["layers"] for b in layer]
-        self.fewrows = fewrows.Weights(self._norms, self.biases, projections, self.norm, self.blocks["head"],
+        self.kernel_weights = layers.Weights(self._norms, self.biases, projections, self.norm, self.blocks["head"],
                                        q8=self.q8)
         self.reads = "gguf blocks, q8 activations" if self.q8 else "gguf blocks"
 
@@ -287,7 +287,7 @@ class LeanLlama:
         so every weight is read once for all of them (on a CPU a forward costs about as much as reading the
         weights); only attention runs per sequence, against its own cache. One sequence is the same code.
         Long prompt chunks go through the weights for prompts (prompt_weights) in a forward of their own."""
-        low = [self.prompt_weights is not None and r.prompt and len(r.ids) > fewrows.FEW_ROWS for r in rows]
+        low = [self.prompt_weights is not None and r.prompt and len(r.ids) > layers.FEW_ROWS for r in rows]
         if not any(low) or all(low):
             return self._batch(rows, any(low))
         logits: list[torch.Tensor] = [torch.empty(0)] * len(rows)
@@ -322,7 +322,7 @@ class LeanLlama:
             width = attention.padded_width(max(ends[i] for i in chosen))
         # prompt chunks attend in prompt_attention's bfloat16 tiles with q8 activations (which run every forward in
         # numba), where the CPU has them; they mask each row by its own length
-        bfloat16 = self.q8 and self.fewrows is not None and prompt_attention.fits(self.head_dim) and not self.invariant
+        bfloat16 = self.q8 and self.kernel_weights is not None and prompt_attention.fits(self.head_dim) and not self.invariant
         masks: List[Optional[torch.Tensor]] = []
         for start, count, end, kernel in zip(starts, counts, ends, few):
             mask = None
@@ -343,11 +343,11 @@ class LeanLlama:
             wide = self._wide
         # every layer in numba: forwards over few rows, and with q8 activations all (the other path's float32
         # activations would give other logits: a verify over more rows would not match decoding)
-        if self.fewrows is not None and (self.q8 or self.invariant or len(ids) <= fewrows.FEW_ROWS):
+        if self.kernel_weights is not None and (self.q8 or self.invariant or len(ids) <= layers.FEW_ROWS):
             firsts = itertools.accumulate(counts, initial=0)
-            apart = [fewrows.Apart(first, count, r.cache, mask, wide, bfloat16)
+            apart = [layers.Apart(first, count, r.cache, mask, wide, bfloat16)
                      for first, count, r, mask, kernel in zip(firsts, counts, rows, masks, few) if not kernel]
-            logits = fewrows.forward(self.fewrows, x, rotary, table, score_rows, width, apart, keep, self.eps,
+            logits = layers.forward(self.kernel_weights, x, rotary, table, score_rows, width, apart, keep, self.eps,
                                      self.heads, self.kv_heads, self.head_dim)
         else:
             x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks,
@@ -539,17 +539,17 @@ def blocks_can_run(model) -> bool:
     """Whether a GGUF's own blocks can run for `model` here: the lean forward on a CPU in float32, with numba's
     pool (--weights auto takes them where this holds and the file's projections are readable_blocks)."""
     return (model.device.type == "cpu" and model.dtype == torch.float32 and LeanLlama.supports(model) is None
-            and fewrows.ready())
+            and layers.ready())
 
 
 def readable_blocks(path: Path) -> bool:
     """Whether every projection of the GGUF at `path` is in a block format the kernels read."""
-    return not quantized.unreadable(path)
+    return not block_tiles.unreadable(path)
 
 
 def q8_available() -> bool:
     """Whether this CPU has the instructions the q8 activations' kernels need (AVX512-VNNI)."""
-    return q8.available()
+    return q8_tiles.available()
 
 
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",

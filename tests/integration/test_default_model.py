@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from codespec.forward.kernels import q8
+from codespec.forward.kernels import q8_tiles
 from codespec.config import ModelConfig, SamplingParams, SpecConfig
 from codespec.models import default_checkpoint, pull
 
@@ -56,7 +56,7 @@ def assert_greedy_identity(engine, name):
         for exact in (False, True):
             if blocks:
                 engine.path.use_activations("float32" if exact else "auto")
-                assert engine.path.q8 == (not exact and q8.available())  # (q8: CPUs with AVX512-VNNI)
+                assert engine.path.q8 == (not exact and q8_tiles.available())  # (q8: CPUs with AVX512-VNNI)
             # (bfloat16 prompts: PyTorch's path, which --invariant on, the default, leaves for the per-row kernels)
             low = not (exact or blocks or engine.path.invariant)
             engine.path.use_prompt_precision("bfloat16" if low else ("float32" if exact else "auto"))
@@ -209,8 +209,8 @@ def checkpoint_engine():
 
 def test_the_default_reads_the_gguf_blocks(default_engine):
     assert default_engine.gguf is not None
-    assert default_engine.path.reads == ("gguf blocks, q8 activations" if q8.available() else "gguf blocks")
-    assert isinstance(default_engine.path.fewrows.head, tuple)  # the Q8_0 output layer's blocks, not 16 bits
+    assert default_engine.path.reads == ("gguf blocks, q8 activations" if q8_tiles.available() else "gguf blocks")
+    assert isinstance(default_engine.path.kernel_weights.head, tuple)  # the Q8_0 output layer's blocks, not 16 bits
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))

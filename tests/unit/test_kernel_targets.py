@@ -6,52 +6,74 @@ they exist for; on a CPU without those, asking for them is a Python error, never
 
 import pytest
 
-from codespec.forward.kernels import attention_ir, llvmir, prompt_attention, q8, quantized
+from codespec.forward.kernels import attention_tiles, block_tiles, capabilities, layers, native, prompt_attention
+from codespec.forward.kernels import q8_tiles
 
 AVX2 = "haswell"
 AVX512 = "znver4"  # AVX512-VNNI and AVX512-BF16
+HASWELL = {"avx", "avx2", "fma", "f16c", "bmi2", "openmp"}  # what an AVX2 laptop has (and numba's pool)
+# every LLVM IR module codespec compiles, by its entry in the capability table
+MODULES = {
+    "silu": lambda: layers.SILU_IR,
+    "cache attention": lambda: attention_tiles.source(64, q8=False)[0],
+    "q8 cache attention": lambda: attention_tiles.source(64, q8=True)[0],
+    "float block tiles": lambda: block_tiles.source("Q4_1", block_tiles.tile_rows(False))[0]
+    + block_tiles.source("Q8_0", block_tiles.tile_rows(False))[0].split("\n", 1)[1],
+    "four-row block tiles": lambda: block_tiles.source("Q4_1", [4, 3])[0],
+    "q8 block tiles": lambda: q8_tiles.source("Q4_1")[0],
+    "prompt attention": lambda: prompt_attention.source(64),
+}
 
 
 def no_512_bit_registers(assembly: str) -> bool:
     return "zmm" not in assembly and "{k" not in assembly  # no 512-bit vectors, no mask registers
 
 
-@pytest.mark.parametrize("module", ["silu", "attention", "Q4_1", "Q8_0"])
-def test_the_portable_tiles_compile_for_an_avx2_cpu_without_avx512(module):
-    if module == "silu":
-        source = llvmir.SILU_IR
-    elif module == "attention":
-        source, _ = attention_ir.source(64, q8=False)
-    else:
-        source, _ = quantized.source(module)
-    assembly = llvmir.assembly(source, AVX2)
+def test_every_ir_module_is_in_the_capability_table():
+    assert set(MODULES) == set(capabilities.NEEDS) - {"layers"}  # (layers: numba's own loops, no IR of their own)
+
+
+@pytest.mark.parametrize("kernel", sorted(MODULES))
+def test_every_ir_module_compiles_for_an_avx2_cpu_or_the_table_keeps_it_off(kernel):
+    """What the table allows on an AVX2 CPU compiles for one, without a 512-bit instruction; what it does not allow
+    is never handed to LLVM there (that aborts the process; test_asking_for_instructions_this_cpu_lacks_is_an_error_
+    not_an_abort), and compiles for a CPU that has what the table names."""
+    if capabilities.missing(kernel, have=HASWELL):
+        assert no_512_bit_registers(native.assembly(MODULES[kernel](), AVX512)) is False  # it is AVX-512 code
+        return
+    assembly = native.assembly(MODULES[kernel](), AVX2)
     assert "vfmadd" in assembly and "ymm" in assembly  # 256-bit FMAs: the tiles' 16 lanes as two halves
     assert no_512_bit_registers(assembly)
 
 
 def test_the_avx512_tiles_compile_for_zen4_with_their_instructions():
-    assert "vpdpbusd" in llvmir.assembly(q8.source("Q4_1")[0], AVX512)
-    assert "vpdpbusd" in llvmir.assembly(attention_ir.source(64, q8=True)[0], AVX512)
-    assembly = llvmir.assembly(prompt_attention.source(64), AVX512)
+    assert "vpdpbusd" in native.assembly(q8_tiles.source("Q4_1")[0], AVX512)
+    assert "vpdpbusd" in native.assembly(attention_tiles.source(64, q8=True)[0], AVX512)
+    assembly = native.assembly(prompt_attention.source(64), AVX512)
     assert "vdpbf16ps" in assembly and "vscalef" not in assembly  # exp_ir's 2^n from exponent bits, anywhere
 
 
 def test_asking_for_instructions_this_cpu_lacks_is_an_error_not_an_abort():
-    with pytest.raises(llvmir.MissingInstructions, match="no-such-feature"):
-        llvmir.compile_ir("define void @f() {\n  ret void\n}\n", ["f"], needs=("no-such-feature",))
-    assert q8.available() == llvmir.host_has("avx512vnni")
-    assert prompt_attention.available() == llvmir.host_has("avx512bf16")
-    rows = attention_ir.kernels(64).shape[0]
-    assert rows == (3 if llvmir.host_has("avx512vnni") else 2)  # the q8 cache's tiles only where they run
+    capabilities.NEEDS["test"] = ("no-such-feature",)
+    try:
+        with pytest.raises(capabilities.MissingInstructions, match="no-such-feature"):
+            native.compile_ir("define void @f() {\n  ret void\n}\n", ["f"], "test")
+    finally:
+        del capabilities.NEEDS["test"]
+    assert q8_tiles.available() == capabilities.host_has("avx512vnni")
+    assert prompt_attention.available() == capabilities.host_has("avx512bf16")
+    rows = attention_tiles.kernels(64).shape[0]
+    assert rows == (3 if capabilities.host_has("avx512vnni") else 2)  # the q8 cache's tiles only where they run
+    assert list(block_tiles.ROWS) == ([4, 3, 2, 1] if capabilities.host_has("avx512f") else [2, 1])
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_the_float_tiles_for_avx2_keep_their_sums_in_registers(kind):
-    """AVX2 has 16 vector registers, and each row's sums take four: its tiles take two rows (quantized.tile_rows), and
+    """AVX2 has 16 vector registers, and each row's sums take four: its tiles take two rows (block_tiles.tile_rows), and
     their loops touch the stack only for the three arguments passed there (N, out, r). A 4-row tile spills."""
     def stack_accesses(rows_each):
-        assembly = llvmir.assembly(quantized.source(kind, rows_each)[0], AVX2)
+        assembly = native.assembly(block_tiles.source(kind, rows_each)[0], AVX2)
         return [body.split(".Lfunc_end")[0].count("(%rsp)") for body in assembly.split(f"{kind.lower()}_")[1:]
                 if ":" in body.split("\n")[0]]
-    assert max(stack_accesses(quantized.tile_rows(wide_registers=False))) <= 3
+    assert max(stack_accesses(block_tiles.tile_rows(wide_registers=False))) <= 3
     assert max(stack_accesses([4])) > 3

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from codespec.forward.kernels import prompt_attention
 from codespec.forward import Rows, forward_path
 from tests.tiny import tiny_arch_model
-from tests.unit.test_quantized import write_gguf
+from tests.unit.test_block_tiles import write_gguf
 
 
 def bfloat16(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def test_a_row_gets_the_same_bits_in_any_chunk():
 @pytest.mark.parametrize("activations", [
     pytest.param("q8", marks=pytest.mark.needs_cpu("avx512vnni", "avx512bf16")), "float32"])
 def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeypatch, activations):
-    """q8 activations: chunks of more than fewrows.FEW_ROWS prompt rows attend in the bfloat16 tiles (where the CPU
+    """q8 activations: chunks of more than layers.FEW_ROWS prompt rows attend in the bfloat16 tiles (where the CPU
     has them: monkeypatched away, PyTorch's attention); float32 activations keep PyTorch's float32 attention. The
     tiles leave their layouts on the cache."""
     model = tiny_arch_model("llama", dtype=torch.float32)
@@ -100,8 +100,8 @@ def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeyp
 
 @pytest.mark.needs_cpu("avx512vnni", "avx512bf16")
 def test_prompt_chunks_batched_together_get_the_bits_they_get_alone(tmp_path):
-    """A prompt chunk alone runs its layers in one numba call (fewrows._prompt_layers); with another sequence in the
-    forward, layer by layer from Python (fewrows._attend_apart): the same numbers either way."""
+    """A prompt chunk alone runs its layers in one numba call (layers._prompt_layers); with another sequence in the
+    forward, layer by layer from Python (layers._attend_apart): the same numbers either way."""
     model = tiny_arch_model("llama", dtype=torch.float32)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
     first, second = list(range(3, 43)), [(7 * i) % 90 + 3 for i in range(30)]
@@ -113,14 +113,14 @@ def test_prompt_chunks_batched_together_get_the_bits_they_get_alone(tmp_path):
 @pytest.mark.needs_cpu("avx512vnni", "avx512bf16")
 def test_a_prompts_split_into_chunks_does_not_change_its_logits(tmp_path):
     """With q8 activations every row's projections and prompt attention are its own: one chunk of 1,200 rows (whose
-    MLP runs in slices of rows, fewrows.MLP_BYTES) and three of 400 give the same bits."""
-    from codespec.forward.kernels import fewrows
+    MLP runs in slices of rows, layers.MLP_BYTES) and three of 400 give the same bits."""
+    from codespec.forward.kernels import layers
 
     model = tiny_arch_model("llama", dtype=torch.float32, context=2048)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
     outputs = 2 * model.config.intermediate_size
-    assert fewrows._mlp_rows(1200, outputs) < 1200 and fewrows._mlp_rows(1200, outputs) % 8 == 0
-    assert fewrows._mlp_rows(16, outputs) == 16
+    assert layers._mlp_rows(1200, outputs) < 1200 and layers._mlp_rows(1200, outputs) % 8 == 0
+    assert layers._mlp_rows(16, outputs) == 16
     ids = [(7 * i) % 300 + 3 for i in range(1200)]
     whole = lean.batch([Rows(lean.new_cache(), ids, 1200, prompt=True)])[0]
     cache = lean.new_cache()

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from codespec.config import ModelConfig
-from codespec.forward.kernels import fewrows
+from codespec.forward.kernels import layers
 from codespec.forward import LeanLlama, Rows, bfloat16_pays
 from tests.tiny import tiny_arch_model
 
-PROMPT = list(range(3, 3 + 40))  # more rows than fewrows.FEW_ROWS: a chunk the bfloat16 weights take
+PROMPT = list(range(3, 3 + 40))  # more rows than layers.FEW_ROWS: a chunk the bfloat16 weights take
 
 
 def pair(kind):
@@ -38,7 +38,7 @@ def test_a_long_prompt_chunk_is_rounded_to_bfloat16_and_nothing_else_is(kind):
     # the same prompt as generated rows (not a prompt chunk) goes through the float32 weights: the same bits
     assert torch.equal(forward(low, low.new_cache(), PROMPT), forward(exact, exact.new_cache(), PROMPT))
     # a short prompt chunk too: it takes the few-row path, as every step does
-    short = PROMPT[: fewrows.FEW_ROWS]
+    short = PROMPT[: layers.FEW_ROWS]
     assert torch.equal(forward(low, low.new_cache(), short, prompt=True),
                        forward(exact, exact.new_cache(), short, prompt=True))
     # decoding over the same cache is the same computation on both

@@ -1,15 +1,15 @@
-"""--activations q8: inputs rounded to 8 bits per block of 32 times a GGUF's blocks, exact integer sums (q8.py)."""
+"""--activations q8: inputs rounded to 8 bits per block of 32 times a GGUF's blocks, exact integer sums (q8_tiles.py)."""
 
 import numpy as np
 import pytest
 import torch
 
-from codespec.forward.kernels import q8
+from codespec.forward.kernels import q8_tiles
 from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 from codespec.forward import Rows, forward_path
 from tests.tiny import tiny_arch_model
-from tests.unit.test_quantized import random_blocks, write_gguf
+from tests.unit.test_block_tiles import random_blocks, write_gguf
 
 
 
@@ -25,14 +25,14 @@ def rounded_reference(x: np.ndarray) -> np.ndarray:
 def test_rounding_keeps_each_block_within_half_a_step_and_sums_its_integers():
     x = np.random.default_rng(0).standard_normal((3, 96)).astype(np.float32)
     x[1, 32:64] = 0  # an all-zero block: scale 0, no division by zero
-    xq, xd, xs = q8.rounded8(x)
+    xq, xd, xs = q8_tiles.rounded8(x)
     assert xq.dtype == np.int8 and np.abs(xq).max() == 127
     back = xq.astype(np.float64).reshape(3, 3, 32) * xd[:, :, None]
     assert np.all(np.abs(back.reshape(3, 96) - x) <= xd.repeat(32, axis=1) / 2 + 1e-7)
     assert np.array_equal(xs, (xd * xq.reshape(3, 3, 32).sum(axis=2)).astype(np.float32))
     assert not xq[1, 32:64].any() and xd[1, 1] == 0
     many = np.random.default_rng(1).standard_normal((20, 96)).astype(np.float32)  # rounded in parallel
-    for got, alone in zip(q8.rounded8(many), q8.rounded8(many[7:8])):
+    for got, alone in zip(q8_tiles.rounded8(many), q8_tiles.rounded8(many[7:8])):
         assert np.array_equal(got[7:8], alone)
 
 
@@ -45,12 +45,12 @@ def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets
     blocks = random_blocks(kind, outputs, 192)
     weight = blocks.weight(q8=True)
     x = np.random.default_rng(1).standard_normal((19, 192)).astype(np.float32)
-    together = q8.linear(x, weight)
+    together = q8_tiles.linear(x, weight)
     assert together.shape == (19, outputs)
     expected = rounded_reference(x) @ blocks.values().double().numpy().T
     assert np.abs(together - expected).max() < 1e-5 * np.abs(expected).max()
     for first, count in [(0, 1), (5, 1), (18, 1), (3, 2), (10, 5), (0, 8), (11, 8)]:
-        assert np.array_equal(q8.linear(np.ascontiguousarray(x[first : first + count]), weight),
+        assert np.array_equal(q8_tiles.linear(np.ascontiguousarray(x[first : first + count]), weight),
                               together[first : first + count])
 
 
@@ -80,7 +80,7 @@ def test_a_tiny_model_on_rounded_activations_stays_near_the_exact_products(tmp_p
 @pytest.mark.parametrize("activations", [pytest.param("q8", marks=pytest.mark.needs_cpu("avx512vnni")), "float32"])
 def test_with_q8_a_prompt_chunk_and_a_long_verify_stay_in_numba(tmp_path, activations):
     """With q8 activations every forward runs the q8 tiles (PyTorch's float32 products would give other logits);
-    with float32 ones, forwards over more than fewrows.FEW_ROWS rows go to PyTorch's path."""
+    with float32 ones, forwards over more than layers.FEW_ROWS rows go to PyTorch's path."""
     model = tiny_arch_model("llama", dtype=torch.float32)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations=activations)
     used = []
@@ -101,8 +101,8 @@ def test_q8_is_refused_where_it_cannot_run(tmp_path):
         forward_path(tiny_arch_model("gemma3", dtype=torch.float32), activations="q8")
     with pytest.raises(ValueError, match="unknown activations 'int4'"):
         ModelConfig(activations="int4").validate()
-    assert forward_path(model, gguf=path, activations="auto").q8 == q8.available()  # auto: q8 on a CPU with VNNI
-    if q8.available():
+    assert forward_path(model, gguf=path, activations="auto").q8 == q8_tiles.available()  # auto: q8 on a CPU with VNNI
+    if q8_tiles.available():
         with pytest.raises(CodespecError, match="--prompt-precision bfloat16 multiplies prompts in PyTorch"):
             forward_path(model, gguf=path, prompt_precision="bfloat16", activations="q8")
         assert forward_path(model, gguf=path, prompt_precision="auto", activations="q8").prompt_weights is None
@@ -114,7 +114,7 @@ def test_q8_is_refused_where_it_cannot_run(tmp_path):
 
 @pytest.mark.needs_cpu("avx512vnni")
 def test_speculative_and_plain_greedy_agree_on_rounded_activations_with_long_drafts(tmp_path, tokenizer):
-    """Drafts of up to 32 tokens: verify forwards past fewrows.FEW_ROWS rows, still the tokens of decoding alone."""
+    """Drafts of up to 32 tokens: verify forwards past layers.FEW_ROWS rows, still the tokens of decoding alone."""
     from codespec.config import SamplingParams, SpecConfig
     from codespec.engine import Engine
 
@@ -131,5 +131,5 @@ def test_speculative_and_plain_greedy_agree_on_rounded_activations_with_long_dra
     assert max(rows) == 1 and len(plain.tokens) == 60
     rows.clear()
     spec = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",), draft_max=32, adaptive=False))
-    assert max(rows) > 16  # a verify forward of more rows than fewrows.FEW_ROWS
+    assert max(rows) > 16  # a verify forward of more rows than layers.FEW_ROWS
     assert spec.tokens == plain.tokens

@@ -7,12 +7,12 @@ import transformers
 
 from codespec.forward.kernels import attention
 from codespec.cli.options import build_parser, settings_from_args
-from codespec.forward.kernels import q8
+from codespec.forward.kernels import q8_tiles
 from codespec.errors import CodespecError
 from codespec.forward import Rows, StaticCache, forward_path
 from tests.tiny import VOCAB, tiny_arch_model, tiny_config
 from tests.unit.test_cache_type import attend_once, causal, greedy_agrees
-from tests.unit.test_quantized import write_gguf
+from tests.unit.test_block_tiles import write_gguf
 
 
 def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +125,7 @@ def test_the_flag_reaches_the_model_config_and_paths_that_cannot_run_it_refuse_i
     with pytest.raises(CodespecError, match="activations q8"):
         forward_path(model, cache_type="q8")  # the checkpoint's weights, not a GGUF's blocks
     small = tiny_arch_model("llama", dtype=torch.float32)  # head size 16
-    with pytest.raises(CodespecError, match="multiple of 64" if q8.available() else "needs a CPU with AVX512-VNNI"):
+    with pytest.raises(CodespecError, match="multiple of 64" if q8_tiles.available() else "needs a CPU with AVX512-VNNI"):
         forward_path(small, gguf=write_gguf(tmp_path / "small.gguf", small, permute=True), activations="q8",
                      cache_type="q8")
     with pytest.raises(CodespecError, match="lean forward"):

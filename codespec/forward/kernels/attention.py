@@ -6,7 +6,7 @@ forward reads all of it. PyTorch's CPU kernels read it at 5-9 GB/s for one to fo
 (a GEMM with 3-12 rows packs its operands; `scaled_dot_product_attention` with a mask falls back to the same),
 against 29 GB/s that these 2 cores can stream. Here one kernel per layer runs every such sequence's attention,
 each (sequence, KV head) pair on its own thread: it streams that head's keys once for all the query heads of its
-group and all the sequence's rows (attention_ir's tiles: 16 keys at a time, their sums added down together), takes
+group and all the sequence's rows (attention_tiles' tiles: 16 keys at a time, their sums added down together), takes
 each row's softmax (its exp vectorised: `_exp`), then streams the values once for up to four rows at a time.
 Measured, 30 layers, 8 sequences x 1,450 cached tokens: 1 row each 51 -> 25 ms, 2 rows 86 -> 34 ms, 4 rows
 100 -> 59 ms (numba's own dot products, before the tiles); one sequence at 2,600 cached tokens, 1 / 2 / 3 / 4
@@ -21,7 +21,7 @@ gets the same bits alone or in any batch, and a verify forward the same as one-t
 PyTorch's attention to float rounding (differences ≤ 1e-5). Caches of float16 (--cache-type f16, the default on
 CPUs) get their new keys and values rounded as they are written and are widened as they are read. q8 caches
 (--cache-type q8) hold each key and value as 8-bit integers and a float32 scale; the query rows are rounded alike
-and scored in exact integer sums (attention_ir.scores_q8_ir).
+and scored in exact integer sums (attention_tiles.scores_q8_ir).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from . import attention_ir, llvmir
-from .attention_ir import GROUP
+from . import attention_tiles, capabilities
+from .native import call
+from .attention_tiles import GROUP
 
 FEW_ROWS = 16  # sequences with at most this many rows in a forward come here (measured, 30 layers at 1,000 and
 # 2,600 cached tokens: up to 16 rows the kernel beats PyTorch's attention; at 32 and 64 rows it does not)
@@ -118,7 +119,7 @@ def _store_bits(row, at, bits):
 def _quantize(x, row, key):
     """x (float32 [dim]) into a q8 row (int8 [dim + 4] or more): x rounded to integers (x * 127 / its largest
     magnitude, half to even) times one scale (that magnitude * float32(1 / 127)), then the scale's float32 bytes.
-    A key's integers are stored plus 128 (as unsigned bytes, which vpdpbusd takes: attention_ir.scores_q8_ir).
+    A key's integers are stored plus 128 (as unsigned bytes, which vpdpbusd takes: attention_tiles.scores_q8_ir).
     Returns the sum of the integers."""
     dim = x.shape[0]
     top = np.float32(0.0)
@@ -164,21 +165,6 @@ def _write(keys_at, values_at, itemsize, new_keys, new_values, start, dim):
                 value_halves[start + i, d] = _to_half(new_values[i, d])
 
 
-@intrinsic
-def _call(typingctx, address, a, b, c, d, e, f):
-    """Call the tile at `address` with (pointer, int, pointer, int, pointer, int), pointers given as integers."""
-    from llvmlite import ir
-
-    def codegen(context, builder, signature, args):
-        pointer, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
-        six = ir.FunctionType(ir.VoidType(), [pointer, i64, pointer, i64, pointer, i64])
-        callee = builder.inttoptr(args[0], six.as_pointer())
-        builder.call(callee, [builder.inttoptr(args[1], pointer), args[2], builder.inttoptr(args[3], pointer),
-                              args[4], builder.inttoptr(args[5], pointer), args[6]])
-        return context.get_dummy_value()
-    return types.void(address, a, b, c, d, e, f), codegen
-
-
 @numba.njit(inline="always", fastmath=True, cache=True)
 def _softmax(scores, out, valid, end):
     """out[:valid] = softmax(scores[:valid]), out[valid:end] = 0 (the keys past the row's position): the sums run
@@ -202,7 +188,7 @@ def _softmax(scores, out, valid, end):
 def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels):
     """Attention of every (sequence, KV head) in `table` at `layer`, each on its own thread: writes the sequence's
     new keys (from qk [rows, heads + kv_heads, dim]) and values (v [rows, kv_heads, dim]) into its cache, scores
-    every query row of its group against the keys (attention_ir's tile, 16 keys at a time: keys are read up to
+    every query row of its group against the keys (attention_tiles' tile, 16 keys at a time: keys are read up to
     the next multiple of 16, which a cache's capacity holds), takes each row's softmax over the keys up to its
     position, and adds the rows' weighted values into out [rows, heads, dim]. Score rows of sequence s, KV head h:
     table[s, 6] + h * count * group + i * group + g, scores.shape[1] (a multiple of 16) wide."""
@@ -224,16 +210,16 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels)
             packed = np.empty((rows, dim + 8), dtype=np.int8)
             for r in range(rows):
                 _store_bits(packed[r], dim + 4, 128 * _quantize(q[r], packed[r], False))
-            _call(tiles[0], packed.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
+            call(tiles[0], packed.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
         else:
-            _call(tiles[0], q.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
+            call(tiles[0], q.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
         for r in range(rows):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
             _softmax(scores[base + r], weights[base + r], start + r // group + 1, end)
         sums = np.empty((GROUP, dim), dtype=np.float32)
         r = 0
         while r < rows:  # up to GROUP rows share each value row read
             take = min(GROUP, rows - r)
-            _call(tiles[take], weights[base + r :].ctypes.data, width, values_at, end, sums.ctypes.data, 0)
+            call(tiles[take], weights[base + r :].ctypes.data, width, values_at, end, sums.ctypes.data, 0)
             for i in range(take):
                 out[first + (r + i) // group, h * group + (r + i) % group, :] = sums[i]
             r += take
@@ -413,9 +399,9 @@ def cached_attention(qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, table
     match_threads()
     scores, weights = _scratch(rows * width)
     scores, weights = scores[: rows * width].view(rows, width), weights[: rows * width].view(rows, width)
-    # contiguous, as fewrows passes them: one compiled signature, which ready() compiles before any request
+    # contiguous, as layers.py passes them: one compiled signature, which ready() compiles before any request
     _attend(qk.contiguous().numpy(), v.contiguous().numpy(), table.numpy(), layer, heads, kv_heads, scores.numpy(),
-            weights.numpy(), out.numpy(), attention_ir.kernels(qk.shape[2]))
+            weights.numpy(), out.numpy(), attention_tiles.kernels(qk.shape[2]))
 
 
 def match_threads() -> None:
@@ -449,8 +435,8 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
     entries, score_row = [], 0
     for r, first in zip(rows, first_rows):
         cache = r.cache
-        if cache.keys.dtype == torch.int8 and not llvmir.host_has("avx512vnni"):  # (its scores tile is not compiled)
-            raise llvmir.MissingInstructions("this CPU lacks avx512vnni, which q8 caches' scores tile needs")
+        if cache.keys.dtype == torch.int8:  # (its scores tile is compiled only where it runs)
+            capabilities.check("q8 cache attention")
         if cache.length + len(r.ids) > cache.capacity:  # the kernel writes the rows' keys there: past the end corrupts
             raise ValueError(f"{len(r.ids)} rows at position {cache.length} overflow a cache of {cache.capacity}")
         entries.append([cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, first, cache.length,
@@ -462,10 +448,10 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
 @functools.cache
 def ready() -> bool:
     """Compile (or load from numba's on-disk cache) both kernels and run them once on a tiny input, so no request
-    waits for it; True when numba runs them on a pool that pays. Its OpenMP pool needs the system's libgomp
-    (Debian's libgomp1; TBB would do too). Without one numba falls back to its workqueue, which wakes its threads
-    too slowly for ~60 calls per forward: measured, 8 sequences x 1,450 tokens with two rows each took 147-178 ms
-    against 98 ms with OpenMP and 144 ms with PyTorch's attention. Then PyTorch's attention it is."""
+    waits for it; True where the capability table lets them run (numba's OpenMP pool; without it, PyTorch's
+    attention)."""
+    if not capabilities.available("cache attention"):
+        return False
     keys = torch.randn(1, 1, 16, 16)
     values = torch.randn(1, 1, 16, 16)
     qkv = torch.randn(2, 3, 16)
@@ -479,7 +465,7 @@ def ready() -> bool:
         small = torch.zeros(1, 1, 16, 20, dtype=torch.int8)  # q8: the writes and moves (the kernel's are the same)
         write_q8(small[0].numpy(), small[0].clone().numpy(), qkv[:, 2:].numpy(), qkv[:, 2:].numpy(), 0)
         move_cached(small, small.clone(), 4, 1, 3, torch.ones(2, dtype=torch.complex128))
-    return numba.threading_layer() in ("omp", "tbb")
+    return True
 
 
 _NOTICED = threading.Event()
@@ -488,7 +474,7 @@ _NOTICED = threading.Event()
 @contextlib.contextmanager
 def compiling_notice(seconds: float = 1.0):
     """One line on stderr, once per process, when loading the kernels takes longer than `seconds`: the first use
-    on a machine compiles them (about 30 s on 2 cores for attention.py, fewrows.py and quantized.py together;
+    on a machine compiles them (about 30 s on 2 cores for attention.py, layers.py and block_tiles.py together;
     then they load from numba's on-disk cache in well under a second)."""
     def say():
         if not _NOTICED.is_set():

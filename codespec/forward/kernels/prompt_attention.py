@@ -27,9 +27,10 @@ import numpy as np
 import torch
 from numba import prange
 
-from .attention import _bits, _call, _widened, _write, elements
-from .attention_ir import VECTOR, running_sums, stored_sums
-from .llvmir import EXP_DECLARATIONS, LOG2E, compile_ir, constant, exp_ir, host_has, splat
+from .attention import _bits, _widened, _write, elements
+from . import capabilities
+from .ir import EXP_DECLARATIONS, LOG2E, VECTOR, constant, exp_ir, running_sums, splat, stored_sums
+from .native import call, compile_ir
 
 ROWS = 4  # query rows per tile
 KEYS = 32  # keys per step of `scores` (two blocks of 16); sequences are padded to a multiple
@@ -150,14 +151,13 @@ def softmax_ir() -> str:
                    "  br i1 %z.done, label %exit, label %zero\nexit:\n  ret void\n}\n")
 
 
-NEEDS = ("avx512bf16",)  # the CPU features the tiles' intrinsics need
 NAMES = ["pscores", "pvalues", "psoftmax"]
 
 
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
     """The addresses of @pscores, @pvalues and @psoftmax for head size `dim` (a multiple of 16), for this CPU."""
-    return compile_ir(source(dim), NAMES, needs=NEEDS)
+    return compile_ir(source(dim), NAMES, "prompt attention")
 
 
 def source(dim: int) -> str:
@@ -176,10 +176,9 @@ def fits(dim: int) -> bool:
     return dim % 16 == 0 and available()
 
 
-@functools.cache
 def available() -> bool:
-    """Whether this CPU multiplies bfloat16 pairs (AVX512-BF16: Zen 4, Sapphire Rapids and later)."""
-    return all(host_has(feature) for feature in NEEDS)
+    """Whether this CPU multiplies bfloat16 pairs (AVX512-BF16: Zen 4, Sapphire Rapids and later; capabilities.py)."""
+    return capabilities.available("prompt attention")
 
 
 @numba.njit(inline="always", fastmath=True, cache=True)
@@ -264,12 +263,12 @@ def _attend(q, keys, values, start, group, queries, out, scores, weights, sums, 
         blocks = (seen + KEYS - 1) // KEYS * 2
         width = blocks * 16
         score, weight, inverse = scores[thread], weights[thread], inverses[thread]
-        _call(tiles[0], q[h, first:].ctypes.data, width, keys[h].ctypes.data, blocks, score.ctypes.data, 0)
+        call(tiles[0], q[h, first:].ctypes.data, width, keys[h].ctypes.data, blocks, score.ctypes.data, 0)
         for r in range(ROWS):
             valid = start + (first + r) // group + 1 if first + r < rows else 0
-            _call(tiles[2], score[r * width :].ctypes.data, valid, weight[r * width :].ctypes.data, width,
+            call(tiles[2], score[r * width :].ctypes.data, valid, weight[r * width :].ctypes.data, width,
                   inverse[r:].ctypes.data, 0)
-        _call(tiles[1], weight.ctypes.data, width // 2, values[h].ctypes.data, width // 2, sums[thread].ctypes.data, 0)
+        call(tiles[1], weight.ctypes.data, width // 2, values[h].ctypes.data, width // 2, sums[thread].ctypes.data, 0)
         for r in range(ROWS):
             if first + r < rows:
                 i, g = (first + r) // group, (first + r) % group

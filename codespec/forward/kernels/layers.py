@@ -35,10 +35,12 @@ import numpy as np
 import torch
 from numba import prange
 from numba.core import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
-from . import attention, attention_ir, llvmir, prompt_attention, q8, quantized
+from . import attention, attention_tiles, block_tiles, capabilities, prompt_attention, q8_tiles
 from .attention import _float_bits
+from .ir import EXP_DECLARATIONS, exp_ir
+from .native import call, compile_ir
 
 FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
 EMPTY = np.zeros(0, dtype=np.float32)  # no bias, no norm
@@ -92,7 +94,7 @@ def _project_one(w, even, odd, out, n, r):
 @numba.njit(inline="always", fastmath=True, cache=True, boundscheck=False)
 def _split(x, norm, eps):
     """x's even and odd columns apart, each row RMS-normalised and times `norm` first when norm has entries."""
-    normed = quantized.normed(x, norm, eps)
+    normed = block_tiles.normed(x, norm, eps)
     return np.ascontiguousarray(normed[:, 0::2]), np.ascontiguousarray(normed[:, 1::2])
 
 
@@ -122,7 +124,7 @@ def _linear(x, norm, eps, weight):
 
 def _project(x, norm, eps, weight):
     """rms_norm(x) (when norm has entries, else x) times the weight: 16 bits in an array (_linear), or a GGUF's
-    blocks (quantized.linear's tuple, or q8.linear's: five entries)."""
+    blocks (block_tiles.linear's tuple, or q8_tiles.linear's: five entries)."""
 
 
 @overload(_project, jit_options={"cache": True})
@@ -130,8 +132,8 @@ def _project_by_format(x, norm, eps, weight):
     if isinstance(weight, types.Array):
         return lambda x, norm, eps, weight: _linear(x, norm, eps, weight)
     if len(weight) == 5:
-        return lambda x, norm, eps, weight: q8.linear(quantized.normed(x, norm, eps), weight)
-    return lambda x, norm, eps, weight: quantized.linear(x, norm, eps, weight)
+        return lambda x, norm, eps, weight: q8_tiles.linear(block_tiles.normed(x, norm, eps), weight)
+    return lambda x, norm, eps, weight: block_tiles.linear(x, norm, eps, weight)
 
 
 def _outputs(weight):
@@ -189,7 +191,7 @@ def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
 
 @numba.njit(fastmath=True, cache=True, boundscheck=False)
 def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, down_weight, silu):
-    """x += attended @ W_o.T, then x += down(silu(gate) * up) of rms_norm(x), in place. `silu`: llvmir.silu_mul's
+    """x += attended @ W_o.T, then x += down(silu(gate) * up) of rms_norm(x), in place. `silu`: silu_mul's
     address (16 lanes at a time; numba's loop calls expf once per element: 2 ms of a 16-row forward)."""
     x += _project(attended, EMPTY, eps, o_weight)
     step = _mlp_rows(x.shape[0], _outputs(gate_up_weight))
@@ -199,7 +201,7 @@ def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, dow
         inner = gate_up.shape[1] // 2
         if inner % 16 == 0:
             for r in range(part.shape[0]):
-                _call(silu, gate_up.ctypes.data + r * gate_up.shape[1] * 4, inner)
+                call(silu, gate_up.ctypes.data + r * gate_up.shape[1] * 4, inner)
         else:
             for r in range(part.shape[0]):
                 for i in range(inner):
@@ -208,18 +210,29 @@ def _attention_out_and_mlp(x, attended, o_weight, norm, eps, gate_up_weight, dow
         part += _project(gate_up[:, :inner], EMPTY, eps, down_weight)
 
 
-@intrinsic
-def _call(typingctx, address, pointer, count):
-    """Call the function at `address` with a pointer and a count (passed as integers)."""
-    from llvmlite import ir
+SILU_IR = (EXP_DECLARATIONS
+           + "define void @silu_mul(ptr noalias %gate, i64 %inner) {\nentry:\n  br label %loop\nloop:\n"
+           "  %i = phi i64 [ 0, %entry ], [ %i.next, %loop ]\n"
+           "  %gp = getelementptr float, ptr %gate, i64 %i\n  %g = load <16 x float>, ptr %gp, align 4\n"
+           "  %ui = add i64 %i, %inner\n  %up = getelementptr float, ptr %gate, i64 %ui\n"
+           "  %u = load <16 x float>, ptr %up, align 4\n  %m = fneg <16 x float> %g\n"
+           + exp_ir("e", "%m") +
+           "  %d = fadd <16 x float> %e, splat (float 1.0)\n  %s = fdiv <16 x float> %g, %d\n"
+           "  %o = fmul <16 x float> %s, %u\n  store <16 x float> %o, ptr %gp, align 4\n"
+           "  %i.next = add i64 %i, 16\n  %done = icmp uge i64 %i.next, %inner\n"
+           "  br i1 %done, label %end, label %loop\nend:\n  ret void\n}\n")
 
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        function = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i64])
-        callee = builder.inttoptr(args[0], function.as_pointer())
-        builder.call(callee, [builder.inttoptr(args[1], ir.IntType(8).as_pointer()), args[2]])
-        return context.get_dummy_value()
-    return types.void(address, pointer, count), codegen
+
+def silu_mul() -> int:
+    """The address of @silu_mul(gate, inner): gate[i] = silu(gate[i]) * gate[inner + i] for i < inner (a multiple
+    of 16), 16 at a time: the MLP's gate times up, in place over one row of the fused gate/up projection."""
+    global _SILU
+    if _SILU is None:
+        _SILU = int(compile_ir(SILU_IR, ["silu_mul"], "silu")[0])
+    return _SILU
+
+
+_SILU = None
 
 
 def exact(weight: torch.Tensor) -> bool:
@@ -238,7 +251,7 @@ def high_halves(weight: torch.Tensor) -> np.ndarray:
 class Weights:
     """A Llama-family model's weights as the kernels take them: per layer two norms, the q/k/v bias (or none) and
     the q/k/v, o, gate/up and down projections; then the final norm and the output layer. Each projection is a
-    float32 tensor of bfloat16 values (kept as 16 bits) or a GGUF's blocks (quantized.Blocks)."""
+    float32 tensor of bfloat16 values (kept as 16 bits) or a GGUF's blocks (block_tiles.Blocks)."""
 
     def __init__(self, norms: list[torch.Tensor], biases: list, projections: list,
                  final_norm: torch.Tensor, head, q8: bool = False):
@@ -249,12 +262,12 @@ class Weights:
         self.projections = numba.typed.List([_kernel_weight(w, q8) for w in projections])
         self.final_norm = final_norm.detach().float().contiguous().numpy()
         self.head = _kernel_weight(head, q8)
-        self.nbytes = sum(w.nbytes(q8) if isinstance(w, quantized.Blocks) else w.numel() * 2  # what a forward reads
+        self.nbytes = sum(w.nbytes(q8) if isinstance(w, block_tiles.Blocks) else w.numel() * 2  # what a forward reads
                           for w in projections + [head])
 
 
 def _kernel_weight(weight, q8: bool):
-    return weight.weight(q8) if isinstance(weight, quantized.Blocks) else high_halves(weight)
+    return weight.weight(q8) if isinstance(weight, block_tiles.Blocks) else high_halves(weight)
 
 
 @dataclass
@@ -363,7 +376,7 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
     x = x.contiguous().numpy().copy()
     turn = torch.view_as_real(rotary.reshape(rows, -1)).contiguous().numpy()  # [rows, dim/2, (cos, sin)]
     attended = np.empty((rows, heads, dim), dtype=np.float32)
-    kernels, silu = attention_ir.kernels(dim), llvmir.silu_mul()
+    kernels, silu = attention_tiles.kernels(dim), silu_mul()
     if table is not None:
         table = table.numpy()
         scores, probabilities = attention._scratch(score_rows * width)
@@ -391,9 +404,9 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
 
 @functools.cache
 def ready() -> bool:
-    """Compile (or load from numba's on-disk cache) the kernels and run them once on a tiny model; True where they
-    pay: numba has an OpenMP (or TBB) pool, as for attention.py."""
-    if not attention.ready():
+    """Compile (or load from numba's on-disk cache) the kernels and run them once on a tiny model; True where the
+    capability table lets them run (numba's OpenMP pool)."""
+    if not capabilities.available("layers") or not attention.ready():
         return False
     square = torch.ones(32, 32)  # hidden 32 = 2 heads x 16; one KV head; MLP width 32
     weights = Weights([torch.ones(32)] * 2, [None], [torch.ones(64, 32), square, torch.ones(64, 32), square],

@@ -1,4 +1,4 @@
-"""--weights gguf: a GGUF's own Q4_1 / Q8_0 blocks in the few-row forward (codespec/forward/kernels/quantized.py)."""
+"""--weights gguf: a GGUF's own Q4_1 / Q8_0 blocks in the few-row forward (codespec/forward/kernels/block_tiles.py)."""
 
 import gguf
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 from gguf import GGMLQuantizationType as Type
 from gguf import quants
 
-from codespec.forward.kernels import quantized
+from codespec.forward.kernels import block_tiles
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, Rows, forward_path
 from tests.tiny import tiny_arch_model
@@ -15,12 +15,12 @@ from tests.tiny import tiny_arch_model
 NO_NORM = np.zeros(0, dtype=np.float32)
 
 
-def random_blocks(kind: str, outputs: int, inputs: int, seed: int = 0) -> quantized.Blocks:
+def random_blocks(kind: str, outputs: int, inputs: int, seed: int = 0) -> block_tiles.Blocks:
     rng = np.random.default_rng(seed)
-    block, minimum = quantized.KINDS[kind]
+    block, minimum = block_tiles.KINDS[kind]
     scales = (rng.random((outputs, inputs // 32)) * 0.1).astype(np.float16).astype(np.float32)
     minimums = (rng.random((outputs, inputs // 32)) - 0.5).astype(np.float16).astype(np.float32)
-    return quantized.Blocks(kind, rng.integers(0, 256, (outputs, inputs // 32 * block), dtype=np.uint8), scales,
+    return block_tiles.Blocks(kind, rng.integers(0, 256, (outputs, inputs // 32 * block), dtype=np.uint8), scales,
                             minimums if minimum else np.zeros_like(scales))
 
 
@@ -31,14 +31,14 @@ def test_the_kernel_multiplies_by_the_blocks_values_and_a_row_gets_the_same_bits
     blocks = random_blocks(kind, 45, 192)
     weights = blocks.values().double().numpy()
     x = np.random.default_rng(1).standard_normal((11, 192)).astype(np.float32)
-    together = quantized.linear(x, NO_NORM, np.float32(1e-5), blocks.weight())
+    together = block_tiles.linear(x, NO_NORM, np.float32(1e-5), blocks.weight())
     assert together.shape == (11, 45)
     assert np.abs(together - x.astype(np.float64) @ weights.T).max() < 1e-5 * np.abs(together).max()
-    alone = np.concatenate([quantized.linear(x[i : i + 1], NO_NORM, np.float32(1e-5), blocks.weight())
+    alone = np.concatenate([block_tiles.linear(x[i : i + 1], NO_NORM, np.float32(1e-5), blocks.weight())
                             for i in range(11)])
     assert np.array_equal(alone, together)
     norm = np.random.default_rng(2).random(192).astype(np.float32) + 0.5
-    normed = quantized.linear(x, norm, np.float32(1e-5), blocks.weight())
+    normed = block_tiles.linear(x, norm, np.float32(1e-5), blocks.weight())
     expected = torch.rms_norm(torch.from_numpy(x).double(), [192], torch.from_numpy(norm).double(), 1e-5)
     assert np.abs(normed - expected.numpy() @ weights.T).max() < 1e-5 * np.abs(normed).max()
 
@@ -48,7 +48,7 @@ def test_the_blocks_values_are_gguf_own_dequantisation(kind):
     weight = np.random.default_rng(3).standard_normal((8, 96)).astype(np.float32)
     raw = quants.quantize(weight, kind)
     tensor = type("Tensor", (), {"name": "t", "tensor_type": kind, "data": raw})
-    values = quantized.Blocks.read(tensor).values().numpy()
+    values = block_tiles.Blocks.read(tensor).values().numpy()
     assert np.array_equal(values, quants.dequantize(raw, kind))
 
 
@@ -89,7 +89,7 @@ def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tm
     path = write_gguf(tmp_path / "tiny.gguf", model, permute)
     before = model.model.layers[1].self_attn.q_proj.weight.clone()
     lean = forward_path(model, gguf=path, activations="float32")  # test_q8.py: the rounded activations
-    assert isinstance(lean, LeanLlama) and isinstance(lean.fewrows.head, tuple)
+    assert isinstance(lean, LeanLlama) and isinstance(lean.kernel_weights.head, tuple)
     file_q = quants.dequantize(gguf.GGUFReader(str(path)).get_tensor(9).data, Type.Q4_1)  # blk.1.attn_q
     expected = torch.from_numpy(file_q)
     if permute:  # back to the model's order
@@ -99,10 +99,10 @@ def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tm
     assert torch.equal(now, expected) and not torch.equal(now, before)
     ids = [5, 17, 3, 99, 42, 7]
     numba_cache, torch_cache = lean.new_cache(), lean.new_cache()
-    numba_logits = lean(numba_cache, ids, 2)  # 6 rows: the numba path (fewrows.FEW_ROWS is 16)
-    blocks, lean.fewrows = lean.fewrows, None
+    numba_logits = lean(numba_cache, ids, 2)  # 6 rows: the numba path (layers.FEW_ROWS is 16)
+    blocks, lean.kernel_weights = lean.kernel_weights, None
     torch_logits = lean(torch_cache, ids, 2)  # the same weights in PyTorch's float32 path
-    lean.fewrows = blocks
+    lean.kernel_weights = blocks
     # (float32 sums in two orders: within 1e-4 of logits ~2 on AVX-512, 1.02e-4 seen on an AVX2 CPU)
     assert (numba_logits - torch_logits).abs().max().item() < 2e-4
     step = lean(numba_cache, [11], 1)
@@ -117,7 +117,7 @@ def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for
     """The projections compute each row alone (above and test_q8.py: the same bits in any batch), and so does
     attention over the cache (attention.py: each row's keys in the same blocks, its softmax over its own keys): on
     this path speculation cannot change a single bit, nor can the other sessions of a batch. With q8 activations,
-    forwards of any length (here 24 rows, past fewrows.FEW_ROWS) take this path."""
+    forwards of any length (here 24 rows, past layers.FEW_ROWS) take this path."""
     model = tiny_arch_model(kind, dtype=torch.float32)
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=kind == "llama"),
                         activations=activations)
@@ -165,5 +165,5 @@ def test_weights_auto_picks_the_blocks_only_where_they_run(tmp_path):
     assert auto_gguf(ModelConfig(model=str(path)), tiny_arch_model("llama", dtype=torch.float64)) is None
     assert auto_gguf(ModelConfig(model=str(path)), tiny_arch_model("gemma3", dtype=torch.float32)) is None
     q5 = write_gguf(tmp_path / "q5.gguf", model, permute=True, projections=Type.Q5_0)
-    assert quantized.unreadable(q5) == "blk.0.attn_q.weight is Q5_0"
+    assert block_tiles.unreadable(q5) == "blk.0.attn_q.weight is Q5_0"
     assert auto_gguf(ModelConfig(model=str(q5)), model) is None

@@ -8,7 +8,7 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
 - **The blocks as they are.** Q4_1 keeps 32 weights as 4-bit q with a float16 scale d and minimum m
   (w = q * d + m), Q8_0 as signed 8-bit q with a scale (w = q * d). The projections keep q as the file has it
   (66 MB for the default model's layers, against 212 MB as 16 bits); d and m are widened to float32.
-- **Or activations rounded to 8 bits** (--activations q8, the default on CPUs with AVX512-VNNI): q8.py repacks
+- **Or activations rounded to 8 bits** (--activations q8, the default on CPUs with AVX512-VNNI): q8_tiles.py repacks
   these blocks for its integer kernels; the float tiles below are then not built.
 - **The float32 weights are the same numbers.** The model's float32 parameters are overwritten with the
   dequantised blocks (each q * d + m rounded once, as the kernel's fused multiply-add rounds it), so forwards over
@@ -19,7 +19,7 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
   the model loads (0.1 s). A tile computes one output column for up to four rows; each (row, column) is the same
   sequence of operations in every tile: per block, w = fma(q, d, m) and two 16-lane sums a += w * x, then
   the two sums added and halved down to one number in a fixed order. So a row's projections do not depend on
-  which rows share its forward (`tests/unit/test_quantized.py`), and neither does attention over the cache
+  which rows share its forward (`tests/unit/test_block_tiles.py`), and neither does attention over the cache
   (attention.py): a verify forward of up to 16 rows gives each row the logits of one-token forwards, bit for bit.
 
 The numba driver (`linear`) runs chunks of 16 output columns per thread, as many rows at a time as a tile takes (four,
@@ -36,10 +36,10 @@ import numba
 import numpy as np
 import torch
 from numba import prange
-from numba.core import types
-from numba.extending import intrinsic
 
-from . import llvmir
+from . import capabilities
+from .ir import FMA, FMA_DECLARATION, VECTOR
+from .native import call, compile_ir
 from ...errors import CodespecError
 
 KINDS = {"Q4_1": (16, True), "Q8_0": (32, False)}  # bytes of q per 32-weight block, whether it has a minimum
@@ -56,11 +56,9 @@ def tile_rows(wide_registers: bool) -> np.ndarray:
     return np.array([4, 3, 2, 1] if wide_registers else [2, 1])
 
 
-ROWS = tile_rows(llvmir.host_has("avx512f"))  # (numba's cache keeps a compiled driver per CPU: it reads ROWS)
+ROWS = tile_rows(capabilities.available("four-row block tiles"))  # (numba's cache keeps a compiled driver per CPU: it reads ROWS)
 CHUNK = 16  # output columns a thread takes at a time
 
-VECTOR = "<16 x float>"
-FMA = "@llvm.fma.v16f32"
 
 
 def _splat(name: str, value: str) -> str:
@@ -150,30 +148,14 @@ def source(kind: str, rows_each=None) -> tuple[str, list[str]]:
     """The IR module of `kind`'s tiles (one per entry of rows_each, by default this CPU's ROWS) and their names."""
     rows_each = ROWS if rows_each is None else rows_each
     names = [f"{kind.lower()}_{rows}" for rows in rows_each]
-    return f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n" + "".join(
+    return FMA_DECLARATION + "".join(
         tile_ir(name, kind, rows) for name, rows in zip(names, rows_each)), names
 
 
 @functools.cache
 def tiles(kind: str) -> np.ndarray:
     """The addresses of `kind`'s tiles (one per entry of ROWS), compiled for this CPU."""
-    return llvmir.compile_ir(*source(kind))
-
-
-@intrinsic
-def _tile(typingctx, address, x, K, q, d, m, n, N, out, r):
-    """Call the tile at `address` (pointers passed as integers)."""
-    from llvmlite import ir
-
-    def codegen(context, builder, signature, args):
-        pointer, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
-        function = ir.FunctionType(ir.VoidType(), [pointer, i64, pointer, pointer, pointer, i64, i64, pointer, i64])
-        callee = builder.inttoptr(args[0], function.as_pointer())
-        as_pointer = lambda value: builder.inttoptr(value, pointer)  # noqa: E731
-        builder.call(callee, [as_pointer(args[1]), args[2], as_pointer(args[3]), as_pointer(args[4]),
-                              as_pointer(args[5]), args[6], args[7], as_pointer(args[8]), args[9]])
-        return context.get_dummy_value()
-    return types.void(address, x, K, q, d, m, n, N, out, r), codegen
+    return compile_ir(*source(kind), "float block tiles")
 
 
 @numba.njit(fastmath=True, cache=True, boundscheck=False)
@@ -210,7 +192,7 @@ def linear(x, norm, eps, weight):
             while ROWS[t] > rows - r:  # the most rows that fit: they share each unpacked block
                 t += 1
             for n in range(chunk * CHUNK, min(outputs, chunk * CHUNK + CHUNK)):
-                _tile(tile[t], X, size, Q, D, M, n, outputs, O, r)
+                call(tile[t], X, size, Q, D, M, n, outputs, O, r)
             r += ROWS[t]
     return out
 
@@ -268,9 +250,9 @@ class Blocks:
         return torch.from_numpy(w.reshape(n, blocks * 32))
 
     def weight(self, q8: bool = False) -> tuple:
-        """What `linear` takes, or with q8 what q8.linear takes."""
+        """What `linear` takes, or with q8 what q8_tiles.linear takes."""
         if q8:
-            from . import q8 as q8_tiles
+            from . import q8_tiles
             return q8_tiles.repack(self.kind, self.q, self.d, self.m)
         return (self.q, self.d, self.m, tiles(self.kind))
 

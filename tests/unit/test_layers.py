@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from codespec.forward.kernels import attention, fewrows
+from codespec.forward.kernels import attention, layers
 from codespec.forward import LeanLlama, Rows, TransformersForward
 from tests.tiny import tiny_arch_model
 
@@ -20,13 +20,13 @@ def bfloat16_valued(kind: str):
 
 def test_only_bfloat16_valued_float32_weights_are_kept_as_16_bits_and_nothing_is_lost():
     weight = torch.randn(96, 64).bfloat16().float()
-    assert fewrows.exact(weight)
-    halves = fewrows.high_halves(weight)
+    assert layers.exact(weight)
+    halves = layers.high_halves(weight)
     assert halves.shape == (96, 32) and halves.dtype == np.uint32  # two to an element
     assert torch.equal(widened(halves), weight)  # negative values and signs included
-    assert not fewrows.exact(torch.randn(96, 64))  # float32 values need all 32 bits
-    assert not fewrows.exact(weight.double())
-    assert not fewrows.exact(weight[:, :63])  # two weights to a uint32
+    assert not layers.exact(torch.randn(96, 64))  # float32 values need all 32 bits
+    assert not layers.exact(weight.double())
+    assert not layers.exact(weight[:, :63])  # two weights to a uint32
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13])
@@ -35,10 +35,10 @@ def test_the_projection_multiplies_by_the_widened_weights(rows):
     weight = torch.randn(200, 576).bfloat16().float()
     norm = torch.rand(576) + 0.5
     x = torch.randn(rows, 576)
-    out = torch.from_numpy(fewrows._linear(x.numpy(), fewrows.EMPTY, 1e-5, fewrows.high_halves(weight)))
+    out = torch.from_numpy(layers._linear(x.numpy(), layers.EMPTY, 1e-5, layers.high_halves(weight)))
     assert out.shape == (rows, 200)
     assert (out - x.double() @ weight.double().T).abs().max().item() < 1e-4
-    normed = torch.from_numpy(fewrows._linear(x.numpy(), norm.numpy(), 1e-5, fewrows.high_halves(weight)))
+    normed = torch.from_numpy(layers._linear(x.numpy(), norm.numpy(), 1e-5, layers.high_halves(weight)))
     expected = torch.rms_norm(x.double(), [576], norm.double(), 1e-5) @ weight.double().T
     assert (normed - expected).abs().max().item() < 1e-4
 
@@ -48,10 +48,10 @@ def test_rows_in_blocks_of_four_then_two_then_one_are_each_summed_one_way():
     (all of a one-token decode), each in its own order: the same row differs between them by float rounding only.
     Past 8 rows the columns go in blocks of 16 (300 here: the last block is short), with the same sums."""
     torch.manual_seed(0)
-    halves = fewrows.high_halves(torch.randn(300, 128).bfloat16().float())
+    halves = layers.high_halves(torch.randn(300, 128).bfloat16().float())
 
     def project(x):
-        return fewrows._linear(x.numpy(), fewrows.EMPTY, 1e-5, halves)
+        return layers._linear(x.numpy(), layers.EMPTY, 1e-5, halves)
 
     x = torch.randn(11, 128)
     together = project(x)  # rows 0-7 in two blocks of four, 8-9 as a pair, 10 alone
@@ -67,15 +67,15 @@ def test_rows_in_blocks_of_four_then_two_then_one_are_each_summed_one_way():
 def test_a_bfloat16_valued_model_runs_few_rows_in_numba_and_gets_the_pytorch_results(kind, monkeypatch):
     model = bfloat16_valued(kind)
     lean, plain = LeanLlama(model, cache_type="f32"), LeanLlama(model, cache_type="f32")  # as transformers keeps it
-    assert fewrows.ready()  # numba's OpenMP pool is on this machine (Debian's libgomp1)
-    assert lean.fewrows is not None and len(lean.fewrows.projections) == 4 * model.config.num_hidden_layers
-    plain.fewrows = None  # the same forward in PyTorch: oneDNN's GEMM over the float32 weights
+    assert layers.ready()  # numba's OpenMP pool is on this machine (Debian's libgomp1)
+    assert lean.kernel_weights is not None and len(lean.kernel_weights.projections) == 4 * model.config.num_hidden_layers
+    plain.kernel_weights = None  # the same forward in PyTorch: oneDNN's GEMM over the float32 weights
     calls = []
-    original = fewrows.forward
-    monkeypatch.setattr(fewrows, "forward", lambda weights, x, *rest: calls.append(x.shape[0]) or
+    original = layers.forward
+    monkeypatch.setattr(layers, "forward", lambda weights, x, *rest: calls.append(x.shape[0]) or
                         original(weights, x, *rest))
     cache, plain_cache = lean.new_cache(), plain.new_cache()
-    prompt = list(range(3, 40))  # more rows than fewrows.FEW_ROWS: PyTorch
+    prompt = list(range(3, 40))  # more rows than layers.FEW_ROWS: PyTorch
     assert torch.equal(lean(cache, prompt, 2), plain(plain_cache, prompt, 2))
     assert calls == []
     for ids in ([7], [8, 9, 10], [11, 12, 13, 14, 15, 16]):  # decoding, a short verify, one past attention's kernel
@@ -94,14 +94,14 @@ def test_a_batch_mixing_kernel_and_pytorch_attention_gives_each_sequence_its_own
     monkeypatch.setattr(attention, "FEW_ROWS", 4)  # so that a prompt chunk short enough for this path goes apart
     model = bfloat16_valued("llama")
     lean, plain = LeanLlama(model), LeanLlama(model)
-    plain.fewrows = None
+    plain.kernel_weights = None
     prompts = [list(range(3, 60)), [5, 6, 7], list(range(50, 300))]
     caches, plain_caches = [lean.new_cache() for _ in prompts], [plain.new_cache() for _ in prompts]
     for prompt, cache, plain_cache in zip(prompts, caches, plain_caches):
         lean(cache, prompt, 1)
         plain(plain_cache, prompt, 1)
     fed = [[41], [8, 9, 10, 11, 12, 13], [61, 62]]  # 9 rows: the middle one, a prompt chunk, past attention.FEW_ROWS
-    assert sum(map(len, fed)) <= fewrows.FEW_ROWS and max(map(len, fed)) > attention.FEW_ROWS
+    assert sum(map(len, fed)) <= layers.FEW_ROWS and max(map(len, fed)) > attention.FEW_ROWS
     batched = lean.batch([Rows(cache, ids, len(ids), prompt=len(ids) > 4) for cache, ids in zip(caches, fed)])
     for cache, plain_cache, ids, got in zip(caches, plain_caches, fed, batched):
         want = plain(plain_cache, ids, len(ids))
@@ -111,18 +111,17 @@ def test_a_batch_mixing_kernel_and_pytorch_attention_gives_each_sequence_its_own
 
 
 def test_models_with_full_float32_weights_keep_the_pytorch_path():
-    assert LeanLlama(tiny_arch_model("llama", dtype=torch.float32)).fewrows is None
-    assert LeanLlama(tiny_arch_model("llama")).fewrows is None  # float64
+    assert LeanLlama(tiny_arch_model("llama", dtype=torch.float32)).kernel_weights is None
+    assert LeanLlama(tiny_arch_model("llama")).kernel_weights is None  # float64
 
 
 def test_the_mlp_gate_runs_16_lanes_at_a_time_within_a_few_units_in_the_last_place():
-    """llvmir.silu_mul: silu(gate) * up in place, with its own vector exp (Cephes' expf), over the range a model's
+    """layers.silu_mul: silu(gate) * up in place, with its own vector exp (Cephes' expf), over the range a model's
     gates take and far past it (exp clamped at +-88: no inf, no NaN)."""
     import ctypes
 
-    from codespec.forward.kernels import llvmir
 
-    silu_mul = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(llvmir.silu_mul())
+    silu_mul = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(layers.silu_mul())
     rng = np.random.default_rng(0)
     gate = np.concatenate([np.linspace(-200, 200, 4000), rng.standard_normal(4000) * 4]).astype(np.float32)
     up = rng.standard_normal(8000).astype(np.float32)

@@ -18,7 +18,7 @@ multiplies. Here:
 Each (query row, key) is the same sequence of instructions whichever rows share the forward, and each row's
 weighted sum adds its values in position order: a row's attention does not depend on its batch (the caller pads
 the keys to a multiple of 16 and gives a row exactly-zero weights past its position).
-Compiled for this CPU on first use (llvmir.py), as quantized.py's tiles.
+Compiled for this CPU on first use (native.py), as block_tiles.py's tiles.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import functools
 
 import numpy as np
 
-from .llvmir import compile_ir, host_has
+from . import capabilities
+from .ir import FMA, FMA_DECLARATION, VECTOR, add_down, running_sums, stored_sums
+from .native import compile_ir
 
-VECTOR = "<16 x float>"
-FMA = "@llvm.fma.v16f32"
 GROUP = 4  # query rows that `values` adds into at once (their sums stay in registers)
 ELEMENTS = {4: ("float", VECTOR), 2: ("half", "<16 x half>"), 1: ("i8", "<16 x i8>")}  # cache element bytes: LLVM
 # scalar and vector types (1: --cache-type q8, each key's or value's dim int8 followed by its float32 scale)
@@ -60,10 +60,6 @@ def _scale(name: str, row: str, dim: int) -> str:
     return (f"  %{name}.p = getelementptr i8, ptr {row}, i64 {dim}\n  %{name}.s = load float, ptr %{name}.p, align 1\n"
             f"  %{name}.v = insertelement {VECTOR} poison, float %{name}.s, i64 0\n"
             f"  %{name} = shufflevector {VECTOR} %{name}.v, {VECTOR} poison, <16 x i32> zeroinitializer\n")
-
-
-def _lanes(picks) -> str:
-    return ", ".join(f"i32 {i}" for i in picks)
 
 
 def scores_ir(dim: int, itemsize: int) -> str:
@@ -98,7 +94,7 @@ def scores_ir(dim: int, itemsize: int) -> str:
                      + _load(f"kf{n}", f"%kp{n}", 4 if keys == "%wide" else itemsize) +
                      f"  %s{n} = call {VECTOR} {FMA}({VECTOR} %qv{c}, {VECTOR} %kf{n}, {VECTOR} {sums[key]})\n")
             sums[key] = f"%s{n}"
-    reduce, total = _reduce(sums, VECTOR, "fadd", "t")
+    reduce, total = add_down(sums, VECTOR, "fadd", "t")
     text += reduce
     return text + ("  %oo = mul i64 %r, %width\n  %oj = add i64 %oo, %kb\n"
                    "  %op = getelementptr float, ptr %out, i64 %oj\n"
@@ -106,25 +102,6 @@ def scores_ir(dim: int, itemsize: int) -> str:
                    "  %rd = icmp eq i64 %r.next, %rows\n  br i1 %rd, label %next, label %row\nnext:\n"
                    "  %b.next = add i64 %b, 1\n  %bd = icmp eq i64 %b.next, %blocks\n"
                    "  br i1 %bd, label %exit, label %block\nexit:\n  ret void\n}\n")
-
-
-def _reduce(sums: list[str], vector: str, add: str, prefix: str) -> tuple[str, str]:
-    """16 vectors of 16 partial sums each (one per key) added down to one vector of the 16 keys' sums, in key order:
-    each step halves every key's lanes, two vectors into one (45 shuffles and adds instead of 16 x 8)."""
-    text = ""
-    for step, width in enumerate((8, 4, 2, 1)):
-        first = [i for i in range(32) if (i // width) % 2 == 0]
-        second = [i for i in range(32) if (i // width) % 2 == 1]
-        added = []
-        for i in range(len(sums) // 2):
-            name = f"%{prefix}{step}_{i}"
-            text += (f"  {name}.a = shufflevector {vector} {sums[2 * i]}, {vector} {sums[2 * i + 1]}, "
-                     f"<16 x i32> <{_lanes(first)}>\n"
-                     f"  {name}.b = shufflevector {vector} {sums[2 * i]}, {vector} {sums[2 * i + 1]}, "
-                     f"<16 x i32> <{_lanes(second)}>\n  {name} = {add} {vector} {name}.a, {name}.b\n")
-            added.append(name)
-        sums = added
-    return text, sums[0]
 
 
 def scores_q8_ir(dim: int) -> str:
@@ -167,7 +144,7 @@ def scores_q8_ir(dim: int) -> str:
                      f"<64 x i8> %qv{c})\n")
             acc = f"%d{n}"
         sums.append(acc)
-    reduce, total = _reduce(sums, "<16 x i32>", "add", "t")
+    reduce, total = add_down(sums, "<16 x i32>", "add", "t")
     text += reduce
     return text + (f"  %exact = sub <16 x i32> {total}, %qc.s\n  %sf = sitofp <16 x i32> %exact to {VECTOR}\n"
                    f"  %sc = fmul {VECTOR} {scales}, %qs.s\n  %sv = fmul {VECTOR} %sf, %sc\n"
@@ -207,31 +184,14 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
     return text + stored_sums(rows, chunks, dim, "%loop")
 
 
-def running_sums(rows: int, chunks: int, loop: str) -> str:
-    """The head of a `values` tile's loop: each row's 16-lane sums %a{r}_{c}, zero on entry, %a{r}_{c}.next after
-    each step of block `loop`."""
-    return "".join(f"  %a{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
-                   for r in range(rows) for c in range(chunks))
-
-
-def stored_sums(rows: int, chunks: int, dim: int, loop: str) -> str:
-    """The end of a `values` tile: each row's 16-lane sums %a{r}_{c}.next (from block `loop`; zero when the loop
-    never ran) stored into out [rows, dim], and the return."""
-    text = "".join(f"  %f{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
-                   for r in range(rows) for c in range(chunks))
-    text += "".join(f"  %so{r}_{c} = getelementptr float, ptr %out, i64 {r * dim + c * 16}\n"
-                    f"  store {VECTOR} %f{r}_{c}, ptr %so{r}_{c}, align 4\n" for r in range(rows) for c in range(chunks))
-    return text + "  ret void\n}\n"
-
-
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
     """The addresses of @scores and @values_1..GROUP for head size `dim`, compiled for this CPU: row 0 for float32
     caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 on CPUs with AVX512-VNNI row 2 for
     q8 ones."""
-    q8 = dim % 64 == 0 and host_has("avx512vnni")  # q8 caches: vpdpbusd, head sizes that are a multiple of 64
+    q8 = dim % 64 == 0 and capabilities.available("q8 cache attention")  # vpdpbusd, heads a multiple of 64
     text, names = source(dim, q8)
-    return compile_ir(text, names).reshape(len(names) // (1 + GROUP), 1 + GROUP)
+    return compile_ir(text, names, "q8 cache attention" if q8 else "cache attention").reshape(len(names) // (1 + GROUP), 1 + GROUP)
 
 
 def source(dim: int, q8: bool) -> tuple[str, list[str]]:
@@ -239,8 +199,7 @@ def source(dim: int, q8: bool) -> tuple[str, list[str]]:
     if dim % 16:
         raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
     sizes = (4, 2, 1) if q8 else (4, 2)
-    text = (f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n"
-            + ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n" if q8 else "")
+    text = (FMA_DECLARATION + ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n" if q8 else "")
             + "".join((scores_ir(dim, size) if size > 1 else scores_q8_ir(dim))
                       + "".join(values_ir(dim, rows, size) for rows in range(1, GROUP + 1)) for size in sizes))
     names = [f"{kind}{size}{suffix}" for size in sizes

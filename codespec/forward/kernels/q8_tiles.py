@@ -29,10 +29,10 @@ import functools
 import numba
 import numpy as np
 from numba import prange
-from numba.core import types
-from numba.extending import intrinsic
 
-from .llvmir import compile_ir, host_has, splat
+from . import capabilities
+from .ir import FMA_DECLARATION, splat
+from .native import call, compile_ir
 
 COLUMNS = 16  # output columns a tile computes (one 16-lane vector)
 MAX_ROWS = 8  # the most rows a tile takes: each step's weights serve them all
@@ -104,17 +104,12 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
     return text + "  ret void\n}\n"
 
 
-DECLARATIONS = ("declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n"
-                "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n")
+DECLARATIONS = (FMA_DECLARATION + "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n")
 
 
-@functools.cache
 def available() -> bool:
-    """Whether this CPU has the 512-bit VNNI instructions the tiles use."""
-    return all(host_has(feature) for feature in NEEDS)
-
-
-NEEDS = ("avx512vnni",)  # the CPU features the tiles' intrinsics need
+    """Whether this CPU has the 512-bit VNNI instructions the tiles use (capabilities.py)."""
+    return capabilities.available("q8 block tiles")
 
 
 def source(kind: str) -> tuple[str, list[str]]:
@@ -127,24 +122,7 @@ def source(kind: str) -> tuple[str, list[str]]:
 @functools.cache
 def tiles(kind: str) -> np.ndarray:
     """The addresses of `kind`'s tiles for 1..MAX_ROWS rows (entry i takes i + 1 rows), compiled for this CPU."""
-    return compile_ir(*source(kind), needs=NEEDS)
-
-
-@intrinsic
-def _tile(typingctx, address, x, K, q, s, g, out, N, r, xd, xs):
-    """Call the tile at `address` (pointers passed as integers)."""
-    from llvmlite import ir
-
-    def codegen(context, builder, signature, args):
-        pointer, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
-        function = ir.FunctionType(ir.VoidType(), [pointer, i64, pointer, pointer, i64, pointer, i64, i64, pointer,
-                                                   pointer])
-        callee = builder.inttoptr(args[0], function.as_pointer())
-        as_pointer = lambda value: builder.inttoptr(value, pointer)  # noqa: E731
-        builder.call(callee, [as_pointer(args[1]), args[2], as_pointer(args[3]), as_pointer(args[4]), args[5],
-                              as_pointer(args[6]), args[7], args[8], as_pointer(args[9]), as_pointer(args[10])])
-        return context.get_dummy_value()
-    return types.void(address, x, K, q, s, g, out, N, r, xd, xs), codegen
+    return compile_ir(*source(kind), "q8 block tiles")
 
 
 @numba.njit(cache=True, boundscheck=False)  # no fastmath: 127 / a rounds as written
@@ -200,7 +178,7 @@ def linear(x, weight):
         while r < rows:
             take = min(MAX_ROWS, rows - r)
             for g in range(chunk * chunk_groups, min(groups, chunk * chunk_groups + chunk_groups)):
-                _tile(tile[take - 1], X, size, Q, S, g, O, groups * COLUMNS, r, XD, XS)
+                call(tile[take - 1], X, size, Q, S, g, O, groups * COLUMNS, r, XD, XS)
             r += take
     if outputs == groups * COLUMNS:
         return out
@@ -208,7 +186,7 @@ def linear(x, weight):
 
 
 def repack(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple:
-    """A GGUF tensor's blocks (quantized.Blocks' q, d, m: [N, ...]) as `linear` takes them. Columns are padded to a
+    """A GGUF tensor's blocks (block_tiles.Blocks' q, d, m: [N, ...]) as `linear` takes them. Columns are padded to a
     multiple of 16 with zero weights."""
     n, blocks = d.shape
     if kind == "Q4_1":  # byte i of a block: weight i (low nibble), weight 16 + i (high)

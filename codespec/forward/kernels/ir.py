@@ -1,0 +1,100 @@
+"""The vocabulary the LLVM IR kernels are written in: 16-lane float vectors, a scalar broadcast, float constants,
+a vector exp, adding 16 vectors of partial sums down to one, and a `values` tile's running sums. Plain IR: it
+compiles for any target (AVX-512, AVX2, NEON); an instruction set's intrinsics stay in the kernel that needs them
+(capabilities.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+VECTOR = "<16 x float>"
+FMA = "@llvm.fma.v16f32"
+FMA_DECLARATION = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n"
+
+
+def splat(name: str, pointer: str, vector: str, scalar: str) -> str:
+    """%name = the `scalar` at `pointer` in every lane of `vector` (16 lanes)."""
+    return (f"  %{name}.s = load {scalar}, ptr {pointer}, align 4\n"
+            f"  %{name}.v = insertelement {vector} poison, {scalar} %{name}.s, i64 0\n"
+            f"  %{name} = shufflevector {vector} %{name}.v, {vector} poison, <16 x i32> zeroinitializer\n")
+
+
+# 2^f on [-1/2, 1/2]: a degree-5 polynomial fitted for relative error on Chebyshev nodes (within 1.5e-7)
+EXP2 = (1.0000001192092896, 0.6931469440460205, 0.24022121727466583, 0.05550742521882057, 0.009675459936261177,
+        0.0013266970636323094)
+LOG2E = 1.4426950216293335  # float32(log2 e)
+EXP_DECLARATIONS = ("declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n"
+                    "declare <16 x float> @llvm.roundeven.v16f32(<16 x float>)\n"
+                    "declare <16 x i32> @llvm.smax.v16i32(<16 x i32>, <16 x i32>)\n"
+                    "declare <16 x i32> @llvm.smin.v16i32(<16 x i32>, <16 x i32>)\n")
+
+
+def constant(value: float) -> str:
+    """A float32 constant as LLVM IR writes it (the double of the same value, in hex)."""
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", float(np.float32(value))))[0]
+
+
+def exp_ir(out: str, x: str, shift: str = "zeroinitializer") -> str:
+    """%out = 2^(x log2(e) + shift) for 16 floats (shift: a vector, e.g. -max log2(e) for a softmax): 2^n times 2^f,
+    f = t - n in [-1/2, 1/2] as a degree-5 polynomial in FMAs (within about 1e-6 where |t| < 20: t itself is rounded
+    to float). 2^n is built from its exponent bits, n clamped to [-127, 128]: below float's normal range that is 0,
+    above it infinity (as vscalefps gives, apart from denormal results, which no softmax or SiLU sum can see). Plain
+    IR, so it compiles for any target (AVX-512, AVX2, NEON). LLVM has no vector exp of its own (numba's loops call
+    expf once per element). Needs EXP_DECLARATIONS."""
+    v = "<16 x float>"
+    i = "<16 x i32>"
+    text = (f"  %{out}.t = call {v} @llvm.fma.v16f32({v} {x}, {v} splat (float {constant(LOG2E)}), {v} {shift})\n"
+            f"  %{out}.n = call {v} @llvm.roundeven.v16f32({v} %{out}.t)\n  %{out}.f = fsub {v} %{out}.t, %{out}.n\n"
+            f"  %{out}.nc = fptosi {v} %{out}.n to {i}\n"  # out of i32's range (|t| >= 2^31, or NaN): poison, clamped
+            f"  %{out}.lo = call {i} @llvm.smax.v16i32({i} %{out}.nc, {i} splat (i32 -127))\n"
+            f"  %{out}.ni = call {i} @llvm.smin.v16i32({i} %{out}.lo, {i} splat (i32 128))\n"
+            f"  %{out}.nb = add {i} %{out}.ni, splat (i32 127)\n  %{out}.ns = shl {i} %{out}.nb, splat (i32 23)\n"
+            f"  %{out}.two = bitcast {i} %{out}.ns to {v}\n")
+    previous = f"splat (float {constant(EXP2[-1])})"
+    for k, term in enumerate(reversed(EXP2[:-1])):
+        text += (f"  %{out}.p{k} = call {v} @llvm.fma.v16f32({v} {previous}, {v} %{out}.f, "
+                 f"{v} splat (float {constant(term)}))\n")
+        previous = f"%{out}.p{k}"
+    return text + f"  %{out} = fmul {v} {previous}, %{out}.two\n"
+
+
+def lanes(picks) -> str:
+    return ", ".join(f"i32 {i}" for i in picks)
+
+
+def add_down(sums: list[str], vector: str, add: str, prefix: str) -> tuple[str, str]:
+    """16 vectors of 16 partial sums each (one per key) added down to one vector of the 16 keys' sums, in key order:
+    each step halves every key's lanes, two vectors into one (45 shuffles and adds instead of 16 x 8)."""
+    text = ""
+    for step, width in enumerate((8, 4, 2, 1)):
+        first = [i for i in range(32) if (i // width) % 2 == 0]
+        second = [i for i in range(32) if (i // width) % 2 == 1]
+        added = []
+        for i in range(len(sums) // 2):
+            name = f"%{prefix}{step}_{i}"
+            text += (f"  {name}.a = shufflevector {vector} {sums[2 * i]}, {vector} {sums[2 * i + 1]}, "
+                     f"<16 x i32> <{lanes(first)}>\n"
+                     f"  {name}.b = shufflevector {vector} {sums[2 * i]}, {vector} {sums[2 * i + 1]}, "
+                     f"<16 x i32> <{lanes(second)}>\n  {name} = {add} {vector} {name}.a, {name}.b\n")
+            added.append(name)
+        sums = added
+    return text, sums[0]
+
+
+def running_sums(rows: int, chunks: int, loop: str) -> str:
+    """The head of a `values` tile's loop: each row's 16-lane sums %a{r}_{c}, zero on entry, %a{r}_{c}.next after
+    each step of block `loop`."""
+    return "".join(f"  %a{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
+                   for r in range(rows) for c in range(chunks))
+
+
+def stored_sums(rows: int, chunks: int, dim: int, loop: str) -> str:
+    """The end of a `values` tile: each row's 16-lane sums %a{r}_{c}.next (from block `loop`; zero when the loop
+    never ran) stored into out [rows, dim], and the return."""
+    text = "".join(f"  %f{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
+                   for r in range(rows) for c in range(chunks))
+    text += "".join(f"  %so{r}_{c} = getelementptr float, ptr %out, i64 {r * dim + c * 16}\n"
+                    f"  store {VECTOR} %f{r}_{c}, ptr %so{r}_{c}, align 4\n" for r in range(rows) for c in range(chunks))
+    return text + "  ret void\n}\n"

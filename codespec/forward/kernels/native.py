@@ -1,0 +1,75 @@
+"""LLVM IR compiled for this CPU by llvmlite (the LLVM that numba ships as a wheel: no compiler to install): the
+tiles of block_tiles.py (GGUF blocks) and attention_tiles.py (attention against the cache) are written this way, with
+explicit 16-lane vectors where numba's own loops vectorise poorly. numba code calls them through `call`.
+
+ir.py holds the vocabulary they are written in; capabilities.py says what each needs."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
+
+from . import capabilities
+
+_ENGINES = []  # compiled code lives as long as its engine
+
+
+def target_machine(cpu: str | None = None, features: str | None = None):
+    """An LLVM target machine at -O3: this CPU's (default), or a named one (`cpu`, e.g. "haswell" for x86-64-v3,
+    "znver4"; `features` as LLVM spells them) with the default triple, to check that IR compiles for it."""
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    if cpu is None:
+        cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    return llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features or "", opt=3)
+
+
+def compile_ir(source: str, names: list[str], kernel: str) -> np.ndarray:
+    """Compile `source` (an LLVM IR module) at -O3 for this CPU's features; the addresses of its functions `names`.
+    kernel: its entry in the capability table (MissingInstructions where this CPU lacks what it needs, before LLVM
+    sees it: never an abort)."""
+    import llvmlite.binding as llvm
+
+    capabilities.check(kernel)
+    machine = target_machine()
+    engine = llvm.create_mcjit_compiler(optimised(source, machine), machine)
+    engine.finalize_object()
+    _ENGINES.append(engine)
+    return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
+
+
+def assembly(source: str, cpu: str, features: str = "") -> str:
+    """`source` compiled at -O3 for another CPU (nothing runs): its assembly, to check that a tile compiles for a
+    target this machine is not and uses the instructions it should."""
+    machine = target_machine(cpu, features)
+    return machine.emit_assembly(optimised(source, machine))
+
+
+def optimised(source: str, machine):
+    """`source` parsed, verified and run through LLVM's -O3 pipeline for `machine`."""
+    import llvmlite.binding as llvm
+
+    module = llvm.parse_assembly(source)
+    module.verify()
+    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+    passes.getModulePassManager().run(module, passes)
+    return module
+
+
+@intrinsic
+def call(typingctx, address, *args):
+    """From numba code: call the native function at `address` with integer arguments (pointers as the integers
+    `array.ctypes.data` gives). Every argument goes as an i64: on x86-64 and AArch64 a pointer parameter is passed
+    exactly as one, so the tiles keep their `ptr` parameters."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, values):
+        i64 = ir.IntType(64)
+        callee = builder.inttoptr(values[0], ir.FunctionType(ir.VoidType(), [i64] * len(args)).as_pointer())
+        given = [builder.extract_value(values[1], i) for i in range(len(args))]
+        builder.call(callee, [value if value.type == i64 else builder.sext(value, i64) for value in given])
+        return context.get_dummy_value()
+    return types.void(address, types.StarArgTuple.from_types(args)), codegen
