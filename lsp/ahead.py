@@ -25,8 +25,9 @@ class Ahead:
 
 
 class AcceptAhead:
-    def __init__(self, completer):
-        self.completer = completer
+    def __init__(self, suggest):
+        """suggest(document, offset, wanted): the Completer's generation of a suggestion (Completer.suggest)."""
+        self.suggest = suggest
         self.pending: dict[str, Ahead] = {}  # uri -> the follow-up being computed or done
 
     def start(self, document: Document, offset: int, completion) -> None:
@@ -35,7 +36,7 @@ class AcceptAhead:
         text = document.text[:offset] + completion.text + document.text[offset:]
         accepted = Document(document.uri, text, document.version, document.language_id)
         cursor = offset + len(completion.text)
-        task = asyncio.create_task(self.completer.suggest(accepted, cursor, lambda: True))
+        task = asyncio.create_task(self.suggest(accepted, cursor, lambda: True))
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # never "exception not retrieved"
         self.pending[document.uri] = Ahead(text, cursor, task)
 

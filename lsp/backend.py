@@ -7,6 +7,9 @@ chunks, commands, progress, statistics) and asks a backend for text: "fill in th
 - `LocalBackend` (this module): the model in this process, behind codespec's scheduler (`codespec lsp`);
 - `RemoteBackend` (remote.py): a codespec HTTP server's /infill and /v1/chat/completions (`codespec lsp --server`).
 
+Both build their prompts from the request with the modules below them (fim_prompts.py for completions, prompts.py
+for commands): a backend never calls back into the completion or command code that asked it.
+
 A generation is an async iterator of `Piece`s; the caller stops it by leaving the iteration (`aclosing`) or by
 cancelling its task, and either way the backend frees the engine (a cancelled job, a closed HTTP stream).
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
 
@@ -24,6 +27,7 @@ from codespec.errors import CodespecError
 from codespec.request import OutputFilter, Prompt, Request, Requests
 from codespec.scheduler import QueueFull
 
+from .fim_prompts import InfillPrompts, InfillRequest
 from .prompts import FENCE, build_prompt
 
 REQUEST_FAILED = -32803  # LSP's RequestFailed: valid params, but the server could not do it
@@ -44,26 +48,6 @@ class Piece:
 
 
 @dataclass
-class InfillRequest:
-    """A completion at the cursor, as the Completer prepared it."""
-
-    session: str  # the document's session: its KV cache follows the document from keystroke to keystroke
-    uri: str
-    prefix: str  # the prefix window (its start only moves when the window overflows)
-    suffix: str
-    scopes: tuple  # the enclosing classes/functions whose headers the window cut off
-    others: list  # (filename, text) of the other open and recently closed documents
-    extra_key: tuple  # what the other files' chunks were picked for (reused while it holds)
-    chunks: list | None  # the chunks picked for extra_key before, or None: pick them now
-    query: str  # the text around the cursor that chunks are picked for
-    settled: list  # (uri, version, text) of the documents that should be in the shared pool now
-    max_tokens: int
-    stop: tuple[str, ...]
-    spec: SpecConfig
-    limits: list = field(default_factory=list)  # output limits (codespec.request.limits): the block's end, the suffix
-
-
-@dataclass
 class RewriteRequest:
     """A refactoring command's generation."""
 
@@ -80,12 +64,15 @@ class LocalBackend:
     """The model in this process, through the request layer (codespec.request): prompts are built on the engine's
     thread, jobs run on its scheduler, the request's limits end the text there."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, ready, prompts: InfillPrompts):
+        """ready(): the scheduler, once the model is loaded (an awaitable; its errors are the request's);
+        prompts: builds a completion's prompt on the engine's thread."""
+        self.ready = ready
+        self.prompts = prompts
 
     def infill(self, request: InfillRequest) -> AsyncIterator[Piece]:
         def build(engine) -> Prompt:
-            fim = self.server.completer.build_prompt(engine, request)
+            fim = self.prompts.build(engine, request)
             return Prompt(fim.ids, fim.truncated, fim.stop_ids, list(request.limits), fim.healed)
 
         params = SamplingParams(max_tokens=request.max_tokens, stop=request.stop)
@@ -103,7 +90,7 @@ class LocalBackend:
     async def run(self, request: Request) -> AsyncIterator[Piece]:
         """Start the request and stream it; the job is cancelled however the iteration ends (a no-op once
         finished). The last piece says whether it ended by itself."""
-        requests = Requests(await self.server.ready())
+        requests = Requests(await self.ready())
         try:
             run = await requests.start(request)
         except QueueFull as exc:

@@ -47,6 +47,7 @@ from pygls.exceptions import JsonRpcException
 from codespec.stats import GenerationStats
 
 from .backend import REQUEST_FAILED, InfillRequest, Piece, RewriteRequest, Unavailable, limited
+from .fim_prompts import CHARS_PER_TOKEN, InfillPrompts, filename_of
 from .prompts import FENCE, request_text
 
 API_KEY_ENV = "CODESPEC_API_KEY"
@@ -57,11 +58,11 @@ TRANSIENT = {429: "busy", 503: "unavailable"}  # statuses a completion answers w
 
 
 class RemoteBackend:
-    def __init__(self, url: str, extra_chunks, api_key: str | None = None, transport=None):
-        """extra_chunks(request, count_tokens): the other files' chunks and scope headers for a completion
-        (Completer.extra_chunks). api_key: else $CODESPEC_API_KEY; the api_key setting replaces it."""
+    def __init__(self, url: str, prompts: InfillPrompts, api_key: str | None = None, transport=None):
+        """prompts: picks (and keeps) the other files' chunks a completion sends. api_key: else $CODESPEC_API_KEY;
+        the api_key setting replaces it."""
         self.url = url.rstrip("/")
-        self.extra_chunks = extra_chunks
+        self.prompts = prompts
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.instance = uuid.uuid4().hex[:8]  # this language server's share of the session names
         self.transport = transport  # tests: an httpx transport instead of the network
@@ -92,10 +93,8 @@ class RemoteBackend:
         return limited(self._infill(request), request.limits)
 
     async def _infill(self, request: InfillRequest) -> AsyncIterator[Piece]:
-        from .completion import CHARS_PER_TOKEN, filename_of
-
         # other files' chunks sized by characters: the server's tokenizer is not here
-        extra = self.extra_chunks(request, lambda text: -(-len(text) // CHARS_PER_TOKEN))
+        extra = self.prompts.extra_chunks(request, lambda text: -(-len(text) // CHARS_PER_TOKEN))
         body = {"input_prefix": request.prefix, "input_suffix": request.suffix,
                 "input_extra": [{"filename": name, "text": text} for name, text in extra],
                 "filename": filename_of(request.uri), "n_predict": request.max_tokens, "stop": list(request.stop),

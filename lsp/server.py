@@ -33,9 +33,10 @@ from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 
 from . import commands, settings as settings_module
-from .backend import LocalBackend
-from .completion import REQUEST_FAILED, Completer, session_id
+from .backend import REQUEST_FAILED, LocalBackend
+from .completion import Completer, Host, session_id
 from .documents import Document, Documents, PositionError
+from .fim_prompts import InfillPrompts
 from .framing import CheckedInput
 from .protocol import COMMANDS, SERVER_NAME, SETTINGS_SECTION, STATS_NOTIFICATION, Settings, Stats
 
@@ -121,19 +122,23 @@ class CodespecServer(LanguageServer):
         self.model_fixed = model_fixed
         self.cache_reuse = cache_reuse
         self.documents = Documents()
-        self.completer = Completer(self)
         self.converter = self.protocol._converter
         self._loaded: Future = Future()
         if scheduler is not None:
             self._loaded.set_result(scheduler)
         self.remote = server_url is not None
         self._loading = scheduler is not None or self.remote  # a thin language server never loads a model
+        prompts = InfillPrompts(lambda: self.settings)  # completions' prompts: the backend builds, the Completer asks
         if self.remote:
             from .remote import RemoteBackend  # httpx is only imported by a thin language server
 
-            self.backend = RemoteBackend(server_url, self.completer.extra_chunks, api_key)
+            self.backend = RemoteBackend(server_url, prompts, api_key)
         else:
-            self.backend = LocalBackend(self)
+            self.backend = LocalBackend(self.ready, prompts)
+        self.completer = Completer(Host(
+            documents=self.documents, settings=lambda: self.settings, backend=self.backend, prompts=prompts,
+            document=self.document, offset=self.offset, ready_to_generate=self.ready_to_generate,
+            send_stats=self.send_stats, report_unavailable=self.report_unavailable))
         self._unavailable: str | None = None  # the last "server unavailable" message logged
 
     # --- the engine ------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from codespec.config import SpecConfig
 from codespec.engine import Engine
 from codespec.context.extra import pick_chunks, split_chunks
 from codespec.drafters import NgramMod
-from lsp.completion import Completer
 from lsp.documents import Document
+from lsp.fim_prompts import PrefixWindow
 from lsp.protocol import Settings
 from lsp.settings import apply, section
 from tests.tiny import EOS
@@ -38,27 +38,27 @@ def test_blank_runs_are_not_chunks():
 
 
 def test_the_prefix_window_stays_put_while_typing():
-    completer = Completer(server=None)
+    window = PrefixWindow()
     document = Document("file:///long.py", "".join(f"line_{i} = {i}\n" for i in range(400)))
     budget = 1200
-    first = completer._window_start(document, len(document.text), budget)
+    first = window.start(document, len(document.text), budget)
     assert first > 0 and len(document.text) - document.line_starts[first] <= budget
     document.replace(len(document.text), len(document.text), "x")  # a keystroke at the end
-    assert completer._window_start(document, len(document.text), budget) == first
+    assert window.start(document, len(document.text), budget) == first
     document.replace(len(document.text), len(document.text), "y = 1\n" * 100)  # far past the window
-    assert completer._window_start(document, len(document.text), budget) > first
+    assert window.start(document, len(document.text), budget) > first
 
 
 def test_headers_cut_off_by_the_window_stay_in_the_prompt_and_stay_put():
     body = "".join(f"        step_{i} = {i}\n" for i in range(300))
     document = Document("file:///long.py", f"import os\n\n\nclass Machine:\n    def run(self):\n{body}", 0, "python")
-    completer = Completer(server=None)
-    start = completer._window_start(document, len(document.text), 1200)
-    scopes = completer._window_scopes(document, start)
+    window = PrefixWindow()
+    start = window.start(document, len(document.text), 1200)
+    scopes = window.scopes(document, start)
     assert [scope.header for scope in scopes] == ["class Machine:", "def run(self):"]
     document.replace(len(document.text), len(document.text), "        x")  # typing inside run()
-    assert completer._window_start(document, len(document.text), 1200) == start
-    assert completer._window_scopes(document, start) is scopes  # not worked out again: the prompt keeps its start
+    assert window.start(document, len(document.text), 1200) == start
+    assert window.scopes(document, start) is scopes  # not worked out again: the prompt keeps its start
 
 
 def test_open_documents_teach_the_shared_pool_and_take_it_back(model, tokenizer):

@@ -12,6 +12,7 @@ from codespec.cli.options import build_parser
 from codespec.context.fim import SuffixTrimmer
 from codespec.request import BlockLimit
 from lsp.backend import InfillRequest, RewriteRequest, Unavailable
+from lsp.fim_prompts import InfillPrompts
 from lsp.remote import RemoteBackend, sse_data
 from lsp.settings import spec_config
 from lsp.protocol import REWRITE_SELECTION, Settings
@@ -31,13 +32,13 @@ def backend(handler, api_key="k") -> tuple[RemoteBackend, list[httpx.Request]]:
         seen.append(request)
         return handler(request)
 
-    remote = RemoteBackend(URL, lambda request, count: [("other.py", "def helper():\n    pass\n")], api_key,
-                           transport=httpx.MockTransport(record))
+    remote = RemoteBackend(URL, InfillPrompts(Settings), api_key, transport=httpx.MockTransport(record))
     return remote, seen
 
 
 def infill_request(session="lsp:file:///w/a.py") -> InfillRequest:
-    return InfillRequest(session, "file:///w/a.py", "def f(x):\n    return ", "\n", (), [], (), None, "", [], 16,
+    kept = [("other.py", "def helper():\n    pass\n")]  # the other files' chunks picked for an earlier keystroke
+    return InfillRequest(session, "file:///w/a.py", "def f(x):\n    return ", "\n", (), [], (), kept, "", [], 16,
                          ("\n",), spec_config(Settings()))
 
 

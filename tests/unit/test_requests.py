@@ -128,13 +128,12 @@ def test_the_language_server_s_local_backend_goes_through_the_same_layer(engine,
     async def ready():
         return scheduler
 
-    server = SimpleNamespace(ready=ready, completer=SimpleNamespace(
-        build_prompt=lambda engine, request: FimPrompt(list(ids), None)))
+    prompts = SimpleNamespace(build=lambda engine, request: FimPrompt(list(ids), None))
     limits = [CutAfter(len(alone.text) // 2)]
     request = InfillRequest("lsp:a.py", "file:///a.py", "", "", (), [], (), None, "", [], 40, (), PLAIN, limits)
 
     async def go():
-        return [piece async for piece in LocalBackend(server).infill(request)]
+        return [piece async for piece in LocalBackend(ready, prompts).infill(request)]
 
     pieces = asyncio.run(go())
     assert "".join(piece.text for piece in pieces) == apply_limits(alone.text, [CutAfter(len(alone.text) // 2)])
