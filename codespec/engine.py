@@ -19,7 +19,7 @@ from .decode import decode_steps, drive, next_output, prefill_rows
 from .drafters import warm as warm_drafters, SharedDrafting, build_chain
 from .drafters.taught import TaughtDocuments
 from .errors import CodespecError, DeviceMemoryFull
-from .forward import forward_path
+from .forward import auto_gguf, build, resolve
 from .healing import Constraint, Vocabulary, heal
 from .sampling import Sampler
 from .session import Session
@@ -69,20 +69,6 @@ def namespace(session_id: str) -> str:
     return session_id[: session_id.index("|") + 1] if "|" in session_id else ""
 
 
-def auto_gguf(model_config: ModelConfig, model) -> Path | None:
-    """--weights auto: the GGUF the model came from when its blocks can run here (the lean forward on a CPU in
-    float32, numba's pool, every projection Q4_1 or Q8_0), else None (the converted checkpoint's weights)."""
-    from .forward import blocks_can_run, readable_blocks
-    from .models import DEFAULT_ALIASES, gguf_source
-
-    if model_config.model not in DEFAULT_ALIASES and not model_config.model.endswith(".gguf"):
-        return None
-    if model_config.forward != "lean" or not blocks_can_run(model):
-        return None
-    path = gguf_source(model_config.model)
-    return path if readable_blocks(path) else None
-
-
 @dataclass
 class Engine:
     model: object
@@ -104,11 +90,10 @@ class Engine:
     def __post_init__(self):
         self.spec.validate()
         # the target forward, all sessions
-        self.path = forward_path(self.model, lean=self.forward in ("lean", "graphs"), gguf=self.gguf,
-                                 graphs=True if self.forward == "graphs" else None,
-                                 prompt_precision=self.prompt_precision, cache_type=self.cache_type,
-                                 activations=self.activations, context=self.context_length,
-                                 invariant=self.invariant == "on")
+        self.plan = resolve(self.model, "transformers" if self.forward == "transformers" else "lean", self.gguf,
+                            self.prompt_precision, self.cache_type, self.activations, self.invariant == "on",
+                            graphs=True if self.forward == "graphs" else None)
+        self.path = build(self.plan, self.model, self.context_length)
         check_forward(self.path, self.model)
         if self.model.device.type == "cuda" and self.session_memory == SESSION_MEMORY:
             import torch
@@ -139,18 +124,20 @@ class Engine:
 
     @classmethod
     def _load(cls, model_config: ModelConfig | None, spec: SpecConfig | None, show_progress: bool) -> "Engine":
-        from .models import gguf_source, load
+        from .models import DEFAULT_ALIASES, gguf_source, load
 
         model_config = model_config or ModelConfig()
         model_config.validate()
         gguf = gguf_source(model_config.model) if model_config.weights == "gguf" else None
         model, tokenizer = load(model_config, show_progress=show_progress)
-        if model_config.weights == "auto":
-            gguf = auto_gguf(model_config, model)
-        return cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf,
+        if model_config.weights == "auto":  # the GGUF the model came from, where its blocks run here
+            from_gguf = model_config.model in DEFAULT_ALIASES or model_config.model.endswith(".gguf")
+            gguf = auto_gguf(model, model_config.forward, gguf_source(model_config.model) if from_gguf else None)
+        engine = cls(model, tokenizer, spec or SpecConfig(), forward=model_config.forward, gguf=gguf,
                    prompt_precision=model_config.prompt_precision, cache_type=model_config.cache_type,
                    activations=model_config.activations, context=model_config.context,
                    invariant=model_config.invariant)
+        return engine
 
     @property
     def context_length(self) -> int:

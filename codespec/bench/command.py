@@ -90,6 +90,7 @@ def run(args) -> int:
                     [t.strip() for t in args.llama_server_spec_types.split(",") if t.strip()])
     engine = Engine.load(ModelConfig(**{name: getattr(args, name) for name in MODEL_FLAGS
                                         if getattr(args, name) is not None}))
+    print(f"codespec: {engine.plan}", flush=True)
     configs = [c for c in runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max),
                                                engine.model.config.num_hidden_layers) if c.name in wanted]
     out = Path(args.out)

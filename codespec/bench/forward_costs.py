@@ -96,10 +96,10 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
     paths = [("lean float32", lean, lean.kernel_weights.nbytes if lean.kernel_weights else fp32_bytes),
              ("lean, PyTorch only", wide, fp32_bytes), ("transformers float32", TransformersForward(model), fp32_bytes)]
     if gguf is not None:
-        blocks = LeanLlama(copy.deepcopy(model), gguf, activations="float32")
+        blocks = LeanLlama(copy.deepcopy(model), gguf=gguf, activations="float32")
         paths.insert(1, ("lean, --weights gguf", blocks, blocks.kernel_weights.nbytes))
         if q8_tiles.available():
-            blocks = LeanLlama(copy.deepcopy(model), gguf, activations="q8")
+            blocks = LeanLlama(copy.deepcopy(model), gguf=gguf, activations="q8")
             paths.insert(1, ("gguf, q8 activations", blocks, blocks.kernel_weights.nbytes))
     if model.device.type == "cpu" or torch.cuda.is_bf16_supported():
         half = copy.deepcopy(model).to(torch.bfloat16)

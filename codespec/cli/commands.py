@@ -38,6 +38,8 @@ def run_generate(args) -> int:
     prompt = read_prompt(args)
     model_config, spec, params = settings_from_args(args)
     engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
+    if sys.stderr.isatty():  # what runs (the forward, weights, cache, kernels), beside the progress bars
+        print(f"codespec: {engine.plan}", file=sys.stderr, flush=True)
     prompt_ids = engine.encode(prompt, chat=args.chat, system=args.system)
     result = None
     for chunk in engine.stream(prompt_ids, params):
@@ -131,6 +133,7 @@ def run_serve(args) -> int:
     config = server_config(args)
     engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
     engine.cache_reuse = args.cache_reuse
+    print(f"codespec: {engine.plan}", file=sys.stderr, flush=True)
     name = DEFAULT_NAME if model_config.model in DEFAULT_ALIASES else model_config.model
     aliases = DEFAULT_ALIASES if model_config.model in DEFAULT_ALIASES else ()  # smollm2, default
     app = create_app(engine, config, params, spec, model_name=name, model_aliases=aliases)

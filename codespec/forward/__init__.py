@@ -1,17 +1,21 @@
 """Everything below the session: tokens in, logits out, keys and values kept in a session's cache.
 
 - rows.py: what a forward reads and writes (`Rows`, one sequence's share; `StaticCache`, a session's KV cache);
-- lean.py: the lean Llama/Qwen2 forward (CPU and GPU) and transformers' own (`TransformersForward`), and
-  `forward_path`, which picks one for a model;
+- plan.py: `ForwardPlan`, how the forward runs here, resolved once from the settings and the CPU's capabilities
+  (every check of the settings is there), printed at start;
+- lean.py: the lean Llama/Qwen2 forward (CPU and GPU) and transformers' own (`TransformersForward`), and `build`,
+  which makes the one a plan says (`forward_path`: resolve, then build);
 - graphs.py: the graph-safe forward on GPUs (fixed shapes, CUDA graphs);
-- kernels/: the CPU kernels, numba and LLVM IR (the few-row layers, the GGUF's blocks, q8 activations, attention).
+- kernels/: the CPU kernels, numba and LLVM IR (the few-row layers, the GGUF's blocks, q8 activations, attention),
+  with their capability table (capabilities.py), IR vocabulary (ir.py) and native calls (native.py).
 
 The engine and everything above it import from here, never from kernels/.
 """
 
-from .lean import (LeanLlama, Linear, TransformersCache, TransformersForward, bfloat16_pays, blocks_can_run,
-                   forward_path, q8_available, readable_blocks, run_layers)
+from .lean import (LeanLlama, Linear, TransformersCache, TransformersForward, bfloat16_pays, build, forward_path,
+                   q8_available, run_layers)
+from .plan import ForwardPlan, auto_gguf, resolve
 from .rows import Rows, StaticCache
 
-__all__ = ["LeanLlama", "Linear", "Rows", "StaticCache", "TransformersCache", "TransformersForward",
-           "bfloat16_pays", "blocks_can_run", "forward_path", "q8_available", "readable_blocks", "run_layers"]
+__all__ = ["ForwardPlan", "LeanLlama", "Linear", "Rows", "StaticCache", "TransformersCache", "TransformersForward",
+           "auto_gguf", "bfloat16_pays", "build", "forward_path", "q8_available", "resolve", "run_layers"]

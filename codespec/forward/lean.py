@@ -43,6 +43,7 @@ from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWin
 
 from ..errors import CodespecError
 from .kernels import attention, block_tiles, layers, prompt_attention, q8_tiles
+from .plan import ForwardPlan, lean_unsupported, resolve
 from .rows import Rows, StaticCache
 
 
@@ -82,8 +83,10 @@ class LeanLlama:
     rewindable = True  # crop() only moves the length
 
     @torch.no_grad()
-    def __init__(self, model, gguf: Optional[Path] = None, prompt_precision: str = "float32",
-                 cache_type: str = "auto", activations: str = "auto", invariant: bool = False):
+    def __init__(self, model, plan: Optional[ForwardPlan] = None, **settings):
+        """plan: what to run (plan.py's resolve); without one, resolved here from `settings` (resolve's)."""
+        plan = plan or resolve(model, graphs=False, **settings)
+        self.model = model  # (re-planned by the use_* switches)
         config = model.config
         self.config = config
         self.heads = config.num_attention_heads
@@ -100,11 +103,8 @@ class LeanLlama:
         order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
         scale = 1.0 / math.sqrt(self.head_dim)
         blocks = None  # --weights gguf: the file's own blocks, whose values replace the model's weights first
-        if gguf is not None:
-            if self.device.type != "cpu" or self.dtype != torch.float32 or not layers.ready():
-                raise CodespecError("--weights gguf runs on CPUs in float32 (--device cpu --dtype float32), with "
-                                    "numba's OpenMP pool (the system's libgomp)")
-            blocks = block_tiles.read_gguf(gguf, model, order, scale)
+        if plan.gguf is not None:
+            blocks = block_tiles.read_gguf(plan.gguf, model, order, scale)
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
@@ -127,28 +127,11 @@ class LeanLlama:
         self.projections = projections  # float32, for prompt_weights
         # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (layers.py)
         # or, with --weights gguf, reading the GGUF's own 4- and 8-bit blocks (block_tiles.py)
-        self.kernel_weights = None
         self._norms = [norm for layer in inner.layers for norm in (layer.input_layernorm.weight,
                                                                    layer.post_attention_layernorm.weight)]
-        self.reads = "float32"  # what forwards over few rows read: for the cost cache's key
         self.blocks = blocks
-        self.q8 = False  # whether the blocks multiply activations rounded to 8 bits (use_activations)
-        if blocks is not None:
-            self.use_activations(activations)
-        elif activations == "q8":
-            raise CodespecError("--activations q8 multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
-        elif all(layers.exact(w) for w in projections + [self.lm_head.weight]) and layers.ready():
-            self.kernel_weights = layers.Weights(self._norms, self.biases, projections, self.norm, self.lm_head.weight)
-            self.reads = "16 bits"
-        self.few_rows_kernel = (self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim % 16 == 0
-                                and attention.ready())
-        # every forward in numba's per-row kernels (layers.py, attention.py), prompt chunks of any length too: a
-        # row's numbers never depend on the rows beside it (its chunk, other sessions), so neither does the text.
-        # Only on a GGUF's blocks (block_tiles.py's and q8_tiles.py's tiles sum each row alike in any tile; the 16-bit
-        # checkpoint kernel sums rows in fours, twos and ones differently), on a CPU in float32.
-        self.invariant = invariant and self.blocks is not None and self.kernel_weights is not None and self.few_rows_kernel
-        self.use_prompt_precision(prompt_precision)
-        self.use_cache_type(cache_type)
+        self.plan: Optional[ForwardPlan] = None
+        self.apply(plan)
         self._wide = torch.empty(0)  # see _batch
         self.run_layers = compiled_layers()
         theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
@@ -168,81 +151,68 @@ class LeanLlama:
     @staticmethod
     def supports(model) -> str | None:
         """None when this path computes the model's forward exactly, else why not."""
-        config = model.config
-        if config.model_type not in ("llama", "qwen2"):
-            return f"model type {config.model_type!r}"
-        attention = model.model.layers[0].self_attn
-        qkv_biased = {linear.bias is not None for linear in (attention.q_proj, attention.k_proj, attention.v_proj)}
-        if getattr(config, "mlp_bias", False) or attention.o_proj.bias is not None or len(qkv_biased) > 1:
-            return "projection biases other than on q, k and v together"
-        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-            return "sliding-window layers"
-        if getattr(config, "hidden_act", "silu") != "silu":
-            return f"activation {config.hidden_act!r}"
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            return f"rope type {rope.get('rope_type')!r}"
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if head_dim * config.num_attention_heads != config.hidden_size:
-            return "head_dim x heads != hidden size"
-        return None
+        return lean_unsupported(model)
 
-    def use_prompt_precision(self, precision: str) -> None:
-        """How prompt chunks over more than layers.FEW_ROWS rows are multiplied (ModelConfig.prompt_precision).
-        bfloat16 (or auto, where that measures faster): in a forward of their own through prompt_weights, the
-        projections rounded to bfloat16, with float32 sums. Generated tokens and verified drafts always go
-        through self.weights, so speculative and plain decoding still agree; what changes is the cache of a long
-        prompt, by bfloat16's rounding. Only on CPUs in float32 (elsewhere the model's dtype decides), and not with
-        q8 activations, where every forward takes the q8 tiles."""
+    def apply(self, plan: ForwardPlan) -> None:
+        """Run as `plan` says from now on (its gguf and path as this forward's own):
+        - kernel_weights: what the per-row kernels read (layers.py): the GGUF's blocks, times activations rounded to
+          8 bits (q8_tiles.py) or as they are (block_tiles.py), or the checkpoint's bfloat16 values as 16 bits;
+        - few_rows_kernel: sequences of up to attention.FEW_ROWS rows attend in attention.py's kernel;
+        - invariant: every forward in the per-row kernels, prompt chunks of any length too, so a row's numbers never
+          depend on the rows beside it (its chunk, other sessions), nor does the text;
+        - prompt_weights: long prompt chunks multiply bfloat16 copies of the projections, in a forward of their own
+          (generated tokens and verified drafts always go through self.weights, so speculative and plain decoding
+          still agree; what changes is a long prompt's cache, by bfloat16's rounding);
+        - cache_dtype: the element type of caches made from now on."""
+        previous, self.plan = self.plan, plan
+        self.q8 = plan.activations == "q8"
+        if self.blocks is not None and (previous is None or previous.activations != plan.activations):
+            projections = [b for layer in self.blocks["layers"] for b in layer]
+            self.kernel_weights = layers.Weights(self._norms, self.biases, projections, self.norm,
+                                                 self.blocks["head"], q8=self.q8)
+        elif self.blocks is None:
+            self.kernel_weights = (layers.Weights(self._norms, self.biases, self.projections, self.norm,
+                                                  self.lm_head.weight) if plan.weights == "16 bits" else None)
+        self.reads = {"gguf blocks": "gguf blocks, q8 activations" if self.q8 else "gguf blocks",
+                      "16 bits": "16 bits"}.get(plan.weights, "float32")  # (the cost cache's key)
+        self.few_rows_kernel = plan.cache_kernel
+        self.invariant = plan.invariant
         self.prompt_weights: Optional[list[torch.Tensor]] = None
-        if precision == "bfloat16" and self.invariant:
-            raise CodespecError("--prompt-precision bfloat16 multiplies prompts in PyTorch, whose bits depend on the "
-                                "chunk; with --invariant on (the default) every forward takes the per-row kernels: "
-                                "add --invariant off")
-        if precision == "bfloat16" and self.q8:
-            raise CodespecError("--prompt-precision bfloat16 multiplies prompts in PyTorch; with --activations q8 "
-                                "(the default on this CPU) every forward takes the q8 tiles: add --activations float32")
-        if (self.device.type != "cpu" or self.dtype != torch.float32 or precision == "float32" or self.q8
-                or self.invariant):
-            return
-        if precision == "bfloat16" or bfloat16_pays(self.packed):
+        if plan.prompts == "bfloat16":
             lows = (bfloat16_weight(w, self.packed) for w in self.projections)  # qkv, o, gate_up, down per layer
             self.prompt_weights = [w if i % 6 in (0, 3) else next(lows) for i, w in enumerate(self.weights)]
+        self.cache_dtype = {"f16": torch.float16, "q8": torch.int8}.get(plan.cache, self.dtype)
+
+    def replan(self, **changes) -> None:
+        """This forward's plan with `changes` (resolve's settings), resolved and applied. A setting not changed that
+        cannot go with the new ones (bfloat16 prompts, a q8 cache, after a switch to q8 or float32 activations)
+        goes back to what always can (float32 prompts, the cache type auto picks)."""
+        plan = self.plan
+        kept = {"gguf": plan.gguf, "prompt_precision": plan.prompts, "cache_type": plan.cache,
+                "activations": plan.activations if plan.gguf is not None else "auto", "invariant": plan.invariant}
+        try:
+            plan = resolve(self.model, graphs=False, **{**kept, **changes})
+        except CodespecError:
+            fallback = {"prompt_precision": "float32", "cache_type": "auto"}
+            plan = resolve(self.model, graphs=False, **{**kept, **fallback, **changes})
+        self.apply(plan)
+
+    def use_prompt_precision(self, precision: str) -> None:
+        """How prompt chunks over more than layers.FEW_ROWS rows are multiplied (ModelConfig.prompt_precision;
+        plan.prompts_of)."""
+        self.replan(prompt_precision=precision)
 
     def use_activations(self, activations: str) -> None:
-        """What the GGUF's blocks multiply (ModelConfig.activations). q8 (and auto, on CPUs with AVX512-VNNI):
-        each row's inputs rounded to 8 bits per block of 32, exact integer sums (q8_tiles.py), in every forward (PyTorch's
-        float32 products over more rows would give other logits). float32: the inputs as they are, in the float
-        tiles (block_tiles.py) for forwards over up to layers.FEW_ROWS rows, PyTorch's GEMM beyond."""
+        """What the GGUF's blocks multiply (ModelConfig.activations; plan.q8_activations)."""
         if self.blocks is None:
             raise CodespecError("--activations multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
-        if activations == "q8" and not q8_tiles.available():
-            raise CodespecError("--activations q8 needs a CPU with AVX512-VNNI; use --activations float32")
-        self.q8 = activations == "q8" or (activations == "auto" and q8_tiles.available())
-        if self.q8:
-            self.prompt_weights = None  # (use_prompt_precision) no forward goes to PyTorch's path
-        projections = [b for layer in self.blocks["layers"] for b in layer]
-        self.kernel_weights = layers.Weights(self._norms, self.biases, projections, self.norm, self.blocks["head"],
-                                       q8=self.q8)
-        self.reads = "gguf blocks, q8 activations" if self.q8 else "gguf blocks"
+        self.replan(activations=activations)
 
     def use_cache_type(self, cache_type: str) -> None:
-        """The element type of caches made from now on (ModelConfig.cache_type). f16 (and auto, wherever the CPU
-        attention kernel runs: float32 on CPUs): keys and values rounded to float16 as they are written, as
-        llama.cpp keeps them by default; half the memory, and half the bytes attention reads per row. q8: each
-        key and value (a head's 64 numbers) rounded to 8-bit integers with one float32 scale, as llama.cpp's
-        q8_0 cache types; a quarter of float16's bytes less again. f32: the model's dtype."""
-        if cache_type == "q8" and not (self.few_rows_kernel and self.q8 and self.head_dim % 64 == 0):
-            raise CodespecError("--cache-type q8 runs where every forward runs in numba: with --weights gguf and "
-                                "--activations q8 (a CPU with AVX512-VNNI), for head sizes that are a multiple of 64")
-        if cache_type == "q8":
-            self.cache_dtype = torch.int8
-            return
-        if cache_type == "f16" and not self.few_rows_kernel:
-            raise CodespecError("--cache-type f16 runs on CPUs in float32 (numba's OpenMP pool), with a head size "
-                                "that is a multiple of 16")
-        f16 = cache_type == "f16" or (cache_type == "auto" and self.few_rows_kernel)
-        self.cache_dtype = torch.float16 if f16 else self.dtype
+        """The element type of caches made from now on (ModelConfig.cache_type; plan.cache_of). f16: keys and values
+        rounded to float16 as they are written, as llama.cpp keeps them by default; q8: each key and value (a head's
+        64 numbers) rounded to 8-bit integers with one float32 scale, as llama.cpp's q8_0 cache types."""
+        self.replan(cache_type=cache_type)
 
     def _rotary(self, positions: int) -> torch.Tensor:
         angles = torch.outer(torch.arange(positions, dtype=torch.float32), self.inv_freq)
@@ -535,18 +505,6 @@ class TransformersForward:
         return [self(r.cache, r.ids, r.keep) for r in rows]
 
 
-def blocks_can_run(model) -> bool:
-    """Whether a GGUF's own blocks can run for `model` here: the lean forward on a CPU in float32, with numba's
-    pool (--weights auto takes them where this holds and the file's projections are readable_blocks)."""
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and LeanLlama.supports(model) is None
-            and layers.ready())
-
-
-def readable_blocks(path: Path) -> bool:
-    """Whether every projection of the GGUF at `path` is in a block format the kernels read."""
-    return not block_tiles.unreadable(path)
-
-
 def q8_available() -> bool:
     """Whether this CPU has the instructions the q8 activations' kernels need (AVX512-VNNI)."""
     return q8_tiles.available()
@@ -555,28 +513,20 @@ def q8_available() -> bool:
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",
                  cache_type: str = "auto", activations: str = "auto", graphs: Optional[bool] = None,
                  context: int = 0, invariant: bool = False):
-    """The lean path when the model is a plain Llama (and lean is asked for), else transformers' forward. `gguf`:
-    run the lean path on that file's own blocks (--weights gguf), which only it can; so with --cache-type f16.
-    graphs: the lean path's weights in the graph-safe forward (graphs.py); None: on GPUs. context: the graph-safe
-    forward's cache size (0: the model's context)."""
-    graphs = model.device.type == "cuda" if graphs is None else graphs
-    why = LeanLlama.supports(model) if lean else "--forward transformers"  # (None: the lean path it is)
-    if why is None and graphs:
-        if gguf is not None or cache_type in ("f16", "q8") or activations == "q8":
-            raise CodespecError("the graph-safe forward (the lean forward on GPUs) keeps the cache in the model's "
-                                "dtype and multiplies the checkpoint's weights: leave out --weights gguf, "
-                                "--cache-type and --activations")
+    """The forward for `model` with these settings (plan.resolve's; lean=False: transformers' forward)."""
+    plan = resolve(model, "lean" if lean else "transformers", gguf, prompt_precision, cache_type, activations,
+                   invariant, graphs)
+    return build(plan, model, context)
+
+
+def build(plan: ForwardPlan, model, context: int = 0):
+    """The forward `plan` says: the lean path, its graph-safe form (context: its cache size, 0 for the model's
+    context), or transformers' own."""
+    if plan.path == "graphs":
         from .graphs import GraphLlama
 
         context = context or int(getattr(model.config, "max_position_embeddings", 2048))
         return GraphLlama(LeanLlama(model, cache_type="f32", prompt_precision="float32"), context)
-    if why is None:
-        return LeanLlama(model, gguf, prompt_precision, cache_type, activations, invariant)
-    if gguf is not None:
-        raise CodespecError(f"--weights gguf runs on the lean forward (Llama and Qwen2 models), not here: {why}")
-    if cache_type in ("f16", "q8"):
-        raise CodespecError(f"--cache-type {cache_type} runs on the lean forward (Llama and Qwen2 models), not here: "
-                            f"{why}")
-    if activations == "q8":
-        raise CodespecError(f"--activations q8 runs on the lean forward with --weights gguf, not here: {why}")
+    if plan.path == "lean":
+        return LeanLlama(model, plan)
     return TransformersForward(model)

@@ -154,16 +154,15 @@ def test_gguf_weights_refuse_what_they_cannot_run(tmp_path):
 
 
 def test_weights_auto_picks_the_blocks_only_where_they_run(tmp_path):
-    from codespec.config import ModelConfig
-    from codespec.engine import auto_gguf
+    from codespec.forward import auto_gguf
 
     model = tiny_arch_model("llama", dtype=torch.float32)
     path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
-    assert auto_gguf(ModelConfig(model=str(path)), model) == path
-    assert auto_gguf(ModelConfig(model=str(tmp_path)), model) is None  # a directory: no GGUF behind it
-    assert auto_gguf(ModelConfig(model=str(path), forward="transformers"), model) is None
-    assert auto_gguf(ModelConfig(model=str(path)), tiny_arch_model("llama", dtype=torch.float64)) is None
-    assert auto_gguf(ModelConfig(model=str(path)), tiny_arch_model("gemma3", dtype=torch.float32)) is None
+    assert auto_gguf(model, "lean", path) == path
+    assert auto_gguf(model, "lean", None) is None  # a checkpoint directory: no GGUF behind it
+    assert auto_gguf(model, "transformers", path) is None
+    assert auto_gguf(tiny_arch_model("llama", dtype=torch.float64), "lean", path) is None
+    assert auto_gguf(tiny_arch_model("gemma3", dtype=torch.float32), "lean", path) is None
     q5 = write_gguf(tmp_path / "q5.gguf", model, permute=True, projections=Type.Q5_0)
     assert block_tiles.unreadable(q5) == "blk.0.attn_q.weight is Q5_0"
-    assert auto_gguf(ModelConfig(model=str(q5)), model) is None
+    assert auto_gguf(model, "lean", q5) is None
