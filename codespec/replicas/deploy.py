@@ -55,7 +55,7 @@ class EngineReplica:
         import torch
 
         from ..engine import Engine
-        from ..memory import return_freed_memory
+        from ..cli.memory import return_freed_memory
         from ..server import create_app
 
         return_freed_memory()
@@ -119,7 +119,7 @@ gateway_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # /docs,
 
 
 def error(status: int, message: str, kind: str) -> Response:
-    """codespec's error shape (codespec/server/app.py)."""
+    """codespec's error shape (codespec/server/errors.py)."""
     body = {"error": {"code": status, "message": message, "type": kind}}
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
@@ -290,7 +290,7 @@ class Gateway:
 def build_app(args, replicas: int):
     """The Serve application for parsed `codespec serve` arguments (codespec/cli/options.py)."""
     from ..cli.options import server_config, settings_from_args
-    from ..models import DEFAULT_ALIASES, DEFAULT_NAME
+    from ..forward.models import DEFAULT_ALIASES, DEFAULT_NAME
 
     model, spec, params = settings_from_args(args)
     server = server_config(args)

@@ -1,0 +1,67 @@
+"""What the server tells about itself: /health (answered without the API key), the model it serves (OpenAI's
+/v1/models), the API key's sessions (llama.cpp's /slots) and its Prometheus /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..schemas import ErrorResponse, Health, ModelCard, ModelList, Slot
+from ..state import Server, ServerState
+from .common import tenant
+
+router = APIRouter()
+
+
+@router.get("/health", response_model=Health)
+async def health():
+    return {"status": "ok"}
+
+
+def model_card(server: ServerState) -> dict:
+    engine = server.engine
+    return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "codespec",
+            "meta": {"context_length": engine.context_length, "spec": list(server.generations.spec.spec),
+                     "vocab_size": int(engine.model.config.vocab_size)}}
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(server: Server):
+    return {"object": "list", "data": [model_card(server)]}
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+async def model(model: str, server: Server):
+    """The served model, under its id or an alias; any other name is OpenAI's 404 model_not_found."""
+    server.check_model(model or "?")
+    return model_card(server)
+
+
+@router.get("/slots", response_model=list[Slot])
+async def slots(request: Request, server: Server):
+    """Every named session of this API key: its length, cached tokens, KV-cache bytes, and each drafter's
+    statistics."""
+    namespace, scheduler = tenant(request), server.scheduler
+
+    def read(engine):
+        busy = scheduler.busy_sessions()
+        return [{"id": info.id.removeprefix(namespace), "busy": info.id in busy, "tokens": info.tokens,
+                 "cached": info.cached, "cache_bytes": info.cache_bytes, "spec": list(info.spec),
+                 "drafters": [stats.to_dict() for stats in info.drafters]}
+                for info in engine.sessions_info(namespace)]
+    return await scheduler.acall(read)
+
+
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
+async def prometheus(server: Server):
+    def read(engine):
+        return (len(engine.sessions_info()), engine.sessions_bytes(),
+                max((pool.occupancy for pool in engine.shared.pools), default=0.0))
+    count, total, occupancy = await server.scheduler.acall(read)
+    metrics = server.metrics
+    metrics.sessions.set(count)
+    metrics.session_bytes.set(total)
+    metrics.pool_occupancy.set(occupancy)
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

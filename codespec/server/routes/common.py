@@ -1,0 +1,147 @@
+"""What the generation routes share: starting a route's generation, answering it whole (finish, answer) or as
+server-sent events (stream_events), llama.cpp's response_fields, and a prompt's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+
+from ...errors import CodespecError, DeviceMemoryFull
+from ..errors import Unsupported, error_body
+from ..generation import Generation, Generations, Plan
+
+log = logging.getLogger("codespec.server")
+
+
+def streamed(description: str) -> dict:
+    """The OpenAPI entry of a route's `stream: true` answer: server-sent events (the schema is one event's), each
+    event's data a JSON object or the final [DONE]."""
+    json_object = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"type": "object"}}
+    event = {"type": "object", "required": ["data"], "description": description,
+             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_object]}}}
+    return {200: {"content": {"text/event-stream": {"schema": event}},
+                  "description": "JSON, or with `stream: true` server-sent events"}}
+
+
+def tenant(request: Request) -> str:
+    """The session namespace of the request's API key ('' with none or one key)."""
+    return getattr(request.state, "tenant", "")
+
+
+async def start(generations: Generations, route: str, body, request: Request, build) -> Generation:
+    """The route's generation: the server's settings with the body's, its session (in the API key's namespace),
+    and its prompt, build(engine, params) -> Prompt on the engine's worker."""
+    params, spec = generations.settings(body)
+    namespace = tenant(request)
+    return await generations.start(Plan(route, lambda engine: build(engine, params), params, spec,
+                                        generations.session_name(body, namespace), body.cache_prompt,
+                                        body.requested_tokens() == 0, body.t_max_predict_ms, namespace))
+
+
+# -- a whole answer ----------------------------------------------------------------------------------------------
+
+
+async def finish(generations: Generations, request: Request, run: Generation) -> Response | None:
+    """Collect a run while watching the client; None when it completed, a 499 when the client left."""
+    collecting = asyncio.ensure_future(generations.collect(run))
+    watching = asyncio.ensure_future(disconnected(request))
+    done, _ = await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    if collecting in done:
+        watching.cancel()
+        collecting.result()  # re-raises the engine's error
+        return None
+    collecting.cancel()  # its cleanup cancels the job: the slot is free at the next step boundary
+    try:
+        await collecting
+    except asyncio.CancelledError:
+        pass
+    return Response(status_code=499)
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def answer(body: dict, fields: list[str] | None, model=None):
+    """A whole (not streamed) answer, checked against `model` where the route's response model is a union; or
+    llama.cpp's response_fields selection of it (not checked: the union would take a broken body for one)."""
+    if fields:
+        return JSONResponse(select_fields(body, fields))
+    return model.model_validate(body) if model is not None else body
+
+
+def select_fields(body: dict, fields: list[str] | None) -> dict:
+    """llama.cpp's response_fields: only these fields, a nested one ('timings/prompt_n') under its path; none or []:
+    every field (as llama.cpp)."""
+    if not fields:
+        return body
+    selected = {}
+    for path in fields:
+        value, found = body, bool(path)
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                found = False
+                break
+            value = value[key]
+        if found:
+            selected[path] = value
+    return selected
+
+
+# -- a streamed answer -------------------------------------------------------------------------------------------
+
+
+def sse(data) -> bytes:
+    return format_sse_event(data_str=data if isinstance(data, str) else json.dumps(data))
+
+
+def error_event(status: int, message: str, kind: str) -> bytes:
+    return sse(error_body(status, message, kind))
+
+
+def event_stream(events) -> EventSourceResponse:
+    return EventSourceResponse(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def stream_events(generations: Generations, run: Generation, piece: Callable[[str], dict],
+                        last: Callable[[], list[dict]], done: bool) -> AsyncIterator[bytes]:
+    """SSE: one event per text piece, then the last ones; `data: [DONE]` after them for OpenAI routes. The status
+    line is sent already when something fails: the error is the last event (then [DONE]), not a cut stream."""
+    try:
+        async for delta in generations.deltas(run):
+            yield sse(piece(delta))
+        for event in last():
+            yield sse(event)
+    except DeviceMemoryFull as exc:
+        yield error_event(503, str(exc), "server_error")
+    except CodespecError as exc:
+        yield error_event(400, str(exc), "invalid_request_error")
+    except Exception as exc:
+        log.exception("a streamed generation failed")
+        yield error_event(500, f"internal server error ({type(exc).__name__}); the server's log has the "
+                               "details", "server_error")
+    if done:
+        yield sse("[DONE]")
+
+
+# -- prompts -------------------------------------------------------------------------------------------------------
+
+
+def prompt_ids(engine, prompt: str | list[int]) -> list[int]:
+    """A prompt's tokens: text exactly as `codespec generate` tokenises it; token ids checked to be in the
+    vocabulary."""
+    if isinstance(prompt, str):
+        return engine.encode(prompt)  # raises "the prompt is empty" for ""
+    vocabulary = int(engine.model.config.vocab_size)
+    outside = next((token for token in prompt if token >= vocabulary), None)
+    if outside is not None:
+        raise Unsupported("prompt", f"token id {outside} is outside the vocabulary (0..{vocabulary - 1})")
+    return list(prompt)

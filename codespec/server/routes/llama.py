@@ -1,0 +1,72 @@
+"""llama.cpp's generation routes: /infill (llama.vim's fill-in-the-middle) and /completion, answered in
+llama-server's fields (content, stop_type, tokens_cached, timings, ...) and codespec's speculation statistics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from ...context.fim import SuffixTrimmer, fim_prompt, prompt_budget
+from ...request import LLAMA_CPP, BlockLimit, Prompt
+from ..errors import BODY_ERRORS
+from ..generation import Generation
+from ..schemas import InfillRequest, InfillResponse, LlamaCompletionRequest, SelectedFields
+from ..state import Server, ServerState
+from .common import answer, event_stream, finish, prompt_ids, start, stream_events, streamed
+
+router = APIRouter()
+RESPONSES = {**streamed('{"content": piece, "stop": false} events, then the InfillResponse with empty content; a '
+                        'failure: {"error": ...}'),
+             **BODY_ERRORS}
+
+
+def infill_body(server: ServerState, run: Generation) -> dict:
+    return {"content": run.text, "stop": True, "stop_type": run.stop_type, "stopping_word": run.stop_word,
+            "tokens_predicted": run.stats.generated_tokens, "tokens_evaluated": len(run.prompt.ids),
+            "tokens_cached": run.cached, "truncated": run.prompt.truncated, "model": server.model_name,
+            "session": None if run.temporary else run.session_name, "timings": run.timings(),
+            "speculation": run.speculation()}
+
+
+async def llama_answer(server: ServerState, run: Generation, body, request: Request):
+    """/infill's and /completion's answer: streamed as {"content": piece} events, or whole; a warm-up is never
+    a stream (llama.vim reads its answer as JSON)."""
+    if body.stream and not run.plan.warm_only:
+        return event_stream(stream_events(server.generations, run, lambda delta: {"content": delta, "stop": False},
+                                          lambda: [{**infill_body(server, run), "content": ""}], done=False))
+    return (await finish(server.generations, request, run)
+            or answer(infill_body(server, run), body.response_fields, InfillResponse))
+
+
+@router.post("/infill", response_model=InfillResponse | SelectedFields, responses=RESPONSES)
+async def infill(body: InfillRequest, request: Request, server: Server):
+    """llama.cpp's fill-in-the-middle endpoint (llama.vim's). `n_predict: 0` only warms the session's cache."""
+    extra = [(chunk.filename, chunk.text) for chunk in body.input_extra]
+
+    def build(engine, params) -> Prompt:
+        # the context the text may need: what was asked for, else a little (generation ends at the context)
+        requested = body.requested_tokens()
+        budget = prompt_budget(engine.context_length, params.max_tokens if requested else 0, limited=requested > 0)
+        # healed: a cursor on an empty line or inside a name starts the suggestion where a person expects
+        fim = fim_prompt(engine.tokenizer, body.input_prefix + body.prompt, body.input_suffix, extra,
+                         body.filename, max_tokens=budget, vocabulary=engine.vocabulary)
+        limits = []
+        if fim.format is None and body.input_suffix.strip():
+            limits.append(SuffixTrimmer(body.input_suffix))  # no FIM tokens: stop where it meets the suffix
+        if body.n_indent:
+            limits.append(BlockLimit(body.n_indent, LLAMA_CPP))
+        return Prompt(fim.ids, fim.truncated, fim.stop_ids, limits, fim.healed)
+
+    run = await start(server.generations, "/infill", body, request, build)
+    return await llama_answer(server, run, body, request)
+
+
+@router.post("/completion", response_model=InfillResponse | SelectedFields, responses=RESPONSES)
+async def completion(body: LlamaCompletionRequest, request: Request, server: Server):
+    """llama.cpp's own completion endpoint: the prompt (text or token ids) continued, answered as /infill is.
+    `n_predict: 0` only warms the session's cache."""
+    def build(engine, params) -> Prompt:
+        limits = [BlockLimit(body.n_indent, LLAMA_CPP)] if body.n_indent else []
+        return Prompt(prompt_ids(engine, body.prompt), limits=limits)
+
+    run = await start(server.generations, "/completion", body, request, build)
+    return await llama_answer(server, run, body, request)
