@@ -124,7 +124,7 @@ class Engine:
 
     @classmethod
     def _load(cls, model_config: ModelConfig | None, spec: SpecConfig | None, show_progress: bool) -> "Engine":
-        from .models import DEFAULT_ALIASES, gguf_source, load
+        from .forward.models import DEFAULT_ALIASES, gguf_source, load
 
         model_config = model_config or ModelConfig()
         model_config.validate()

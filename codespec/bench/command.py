@@ -125,7 +125,7 @@ def run(args) -> int:
     if args.forward_costs or not (quick or args.no_forward_costs):
         from .forward_costs import forward_costs, format_forward_costs, outside_forward_share
 
-        from ..models import gguf_source
+        from ..forward.models import gguf_source
 
         try:
             source = engine.gguf or gguf_source(args.model or DEFAULT_MODEL)
@@ -133,7 +133,7 @@ def run(args) -> int:
             source = None
         base = engine.model
         if engine.gguf is not None:  # its weights are the GGUF's values now: the other rows need the checkpoint's
-            from ..models import load
+            from ..forward.models import load
 
             base, _ = load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype")
                                           if getattr(args, name) is not None}), show_progress=False)

@@ -245,7 +245,7 @@ def random_model(model_name: str, dtype: torch.dtype):
     on the weights' values)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..models import pull
+    from ..forward.models import pull
 
     local = Path(model_name)  # a folder with the model's config.json is enough
     config = AutoConfig.from_pretrained(str(local if (local / "config.json").exists()
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 model = random_model(args.model, dtype)
             else:
                 from ..config import ModelConfig
-                from ..models import load
+                from ..forward.models import load
 
                 model, _ = load(ModelConfig(model=args.model, device="cuda", dtype=str(dtype).removeprefix("torch.")),
                                 show_progress=False)

@@ -11,8 +11,7 @@ import time
 import torch
 
 from ..adaptive import measure_costs
-from ..forward.kernels import layers, q8_tiles
-from ..forward import LeanLlama, Rows, TransformersForward
+from ..forward import FEW_ROWS, LeanLlama, Rows, TransformersForward, q8_available
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 CATEGORIES = (
@@ -98,7 +97,7 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
     if gguf is not None:
         blocks = LeanLlama(copy.deepcopy(model), gguf=gguf, activations="float32")
         paths.insert(1, ("lean, --weights gguf", blocks, blocks.kernel_weights.nbytes))
-        if q8_tiles.available():
+        if q8_available():
             blocks = LeanLlama(copy.deepcopy(model), gguf=gguf, activations="q8")
             paths.insert(1, ("gguf, q8 activations", blocks, blocks.kernel_weights.nbytes))
     if model.device.type == "cpu" or torch.cuda.is_bf16_supported():
@@ -117,7 +116,7 @@ def forward_costs(model, vocab_size: int, progress=None, gguf=None) -> dict:
     for path in (prefill_paths or [lean]) if model.device.type == "cpu" else []:
         prefill.update(prefill_rates(path, vocab_size))
     return {"read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_mb_float32": round(fp32_bytes / 1e6, 1),
-            "reads_16_bits_up_to": layers.FEW_ROWS if lean.kernel_weights else 0,
+            "reads_16_bits_up_to": FEW_ROWS if lean.kernel_weights else 0,
             "prefill_tok_s": prefill,
             "rows": rows, "profile": [profile(lean, vocab_size, k) for k in (1, 16)]}
 

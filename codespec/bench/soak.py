@@ -14,7 +14,7 @@ per route: requests, errors by status, p50/p95 latency; and the samples as a tab
     python -m codespec.bench.soak --editors 16 --minutes 10 --out docs/benchmarks/soak
 
 --malloc glibc runs the server with glibc's default (dynamic) mmap threshold, to compare with the fixed one
-(codespec/memory.py) that the default run sets.
+(codespec/cli/memory.py) that the default run sets.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session-memory", type=int, default=SESSION_MEMORY >> 20, metavar="MB",
                         help=f"the server's --session-memory (default {SESSION_MEMORY >> 20})")
     parser.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
-                        help="fixed: codespec/memory.py's mmap threshold (default); glibc: glibc's dynamic one")
+                        help="fixed: codespec/cli/memory.py's mmap threshold (default); glibc: glibc's dynamic one")
     parser.add_argument("--no-lsp", action="store_true", help="leave the language server out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-arg", action="append", default=[], help="one more `codespec serve` argument")

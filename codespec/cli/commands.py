@@ -61,7 +61,7 @@ def run_ngram_cache(args) -> int:
     from transformers import AutoTokenizer
 
     from ..drafters.ngram_cache import build_static_cache, save_static_cache
-    from ..models import model_source, pull
+    from ..forward.models import model_source, pull
 
     kind, _ = model_source(args.model or DEFAULT_MODEL)
     location = str(pull(args.model or DEFAULT_MODEL, show_progress=sys.stderr.isatty()))
@@ -87,7 +87,7 @@ def run_ngram_cache(args) -> int:
 def run_lsp(args) -> int:
     from lsp.server import serve
 
-    from ..memory import return_freed_memory
+    from .memory import return_freed_memory
 
     return_freed_memory()  # a long-running process: freed buffers go back to the system (memory.py)
 
@@ -123,8 +123,8 @@ def run_serve(args) -> int:
     import uvicorn
 
     from ..engine import Engine
-    from ..memory import return_freed_memory
-    from ..models import DEFAULT_ALIASES, DEFAULT_NAME
+    from .memory import return_freed_memory
+    from ..forward.models import DEFAULT_ALIASES, DEFAULT_NAME
     from ..server import create_app, uvicorn_options
 
     return_freed_memory()  # a long-running process: freed buffers go back to the system (memory.py)
@@ -153,7 +153,7 @@ def run_bench(args) -> int:
 
 
 def run_pull(args) -> int:
-    from ..models import pull
+    from ..forward.models import pull
 
     path = pull(args.model)
     print(path)

@@ -18,10 +18,20 @@ __all__ = ["MODEL_FLAGS", "build_parser", "server_config", "settings_from_args"]
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="codespec", description="Lossless self-speculative decoding for coding assistants.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-
     pull = commands.add_parser("pull", help="prepare a model (the embedded default unless --model)")
     pull.add_argument("--model", default=DEFAULT_MODEL)
+    add_generate(commands)
+    add_ngram_cache(commands)
+    add_lsp(commands)
+    serve = add_serve(commands)
+    add_replicas(serve)
+    bench = commands.add_parser("bench", help="measure speculation against plain decoding and transformers")
+    add_model_options(bench)
+    add_bench_arguments(bench)
+    return parser
 
+
+def add_generate(commands) -> None:
     gen = commands.add_parser("generate", help="generate text with speculative decoding")
     gen.add_argument("prompt", nargs="?", help="the prompt (else --file, else standard input)")
     gen.add_argument("--file", help="read the prompt from this file")
@@ -41,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
+
+
+def add_ngram_cache(commands) -> None:
     cache = commands.add_parser("ngram-cache", help="static n-gram caches for the ngram-cache drafter")
     cache_commands = cache.add_subparsers(dest="cache_command", required=True, parser_class=OneLineParser)
     build = cache_commands.add_parser("build", help="count the n-grams of FILES into a static cache file")
@@ -49,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--model", help="whose tokenizer to count with (default: the embedded model)")
     build.add_argument("--n-max", type=bounded_int(1, 8), default=SpecConfig().cache_n_max)
 
+
+def add_lsp(commands) -> None:
     lsp = commands.add_parser("lsp", help="the language server: inline completions and refactoring commands "
                                           "(stdio unless --tcp)")
     add_model_options(lsp)
@@ -63,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the --server's API key (default: $CODESPEC_API_KEY; the editor's api_key setting "
                           "replaces it)")
 
+
+def add_serve(commands) -> argparse.ArgumentParser:
+    """`codespec serve`: the HTTP server's own options, then the model's, the drafters' and the engine's."""
     serve = commands.add_parser("serve", help="HTTP server: llama.cpp-compatible /infill, OpenAI completions "
                                               "and chat, /metrics, /slots")
     server = ServerConfig()
@@ -98,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reuse cached chunks of at least N tokens that a new prompt holds at other positions "
                             "(llama-server's --cache-reuse; llama.vim's sliding window): much less prefill, output "
                             "close to but not always identical to a cold prefill (default 0: off)")
+    serve.add_argument("-n", "--n-predict", type=int, default=None, metavar="N",
+                       help="most tokens a request generates: those that set no n_predict/max_tokens get N, those "
+                            "asking for more are cut to N (llama-server's -n; default: a [sampling] max_tokens in "
+                            "--config, else -1: until the end of the text or of the context)")
+    return serve
+
+
+def add_replicas(serve) -> None:
+    """`codespec serve --replicas N`: the same server as N engines on Ray Serve, and where they run."""
     serve.add_argument("--replicas", type=bounded_int(0, 1024), default=0, metavar="N",
                        help="run N engines on Ray Serve behind this one address, routed by session "
                             "(pip install 'codespec[replicas]'; default 0: one engine in this process)")
@@ -108,15 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"), metavar="ADDRESS",
                        help="the Ray cluster for --replicas ('auto', ray://HOST:10001; default $RAY_ADDRESS, else "
                             "a local Ray started and stopped with this command)")
-    serve.add_argument("-n", "--n-predict", type=int, default=None, metavar="N",
-                       help="most tokens a request generates: those that set no n_predict/max_tokens get N, those "
-                            "asking for more are cut to N (llama-server's -n; default: a [sampling] max_tokens in "
-                            "--config, else -1: until the end of the text or of the context)")
-
-    bench = commands.add_parser("bench", help="measure speculation against plain decoding and transformers")
-    add_model_options(bench)
-    add_bench_arguments(bench)
-    return parser
 
 
 def settings_from_args(args) -> tuple[ModelConfig, SpecConfig, SamplingParams]:

@@ -73,7 +73,7 @@ class SharedDrafting:
             if spec.draft_layers:
                 self.draft_models[key] = truncated_copy(self.target, spec.draft_layers)
             else:
-                from ..models import load
+                from ..forward.models import load
 
                 dtype = str(self.target.dtype).removeprefix("torch.")
                 model, tokenizer = load(ModelConfig(model=spec.draft_model, device=str(self.target.device),

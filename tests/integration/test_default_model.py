@@ -13,7 +13,7 @@ import torch
 
 from codespec.forward.kernels import q8_tiles
 from codespec.config import ModelConfig, SamplingParams, SpecConfig
-from codespec.models import default_checkpoint, pull
+from codespec.forward.models import default_checkpoint, pull
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +122,7 @@ def test_local_gguf_is_converted_once_and_loads(tmp_path, monkeypatch, default_e
     """`--model FILE.gguf`: converted into $CODESPEC_HOME on first use, then loaded like a checkpoint."""
     from codespec.config import ModelConfig
     from codespec.engine import Engine
-    from codespec.models import locate_default_gguf
+    from codespec.forward.models import locate_default_gguf
 
     monkeypatch.setenv("CODESPEC_HOME", str(tmp_path))
     gguf = locate_default_gguf()

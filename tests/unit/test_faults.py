@@ -206,7 +206,7 @@ def printed_number(script: str, **env) -> int:
 
 FREED_BUFFERS = """
 import numpy as np
-from codespec.memory import return_freed_memory
+from codespec.cli.memory import return_freed_memory
 return_freed_memory()
 np.ones(1 << 20)  # 8 MB, mmapped and freed: glibc's dynamic threshold rises past the 3 MB buffers below
 buffers = [np.ones(3 << 17) for _ in range(64)]  # 64 x 3 MB, then all freed but the last
@@ -226,7 +226,7 @@ def test_freed_buffers_go_back_to_the_system():
 REUSED_TOP = """
 import resource
 import numpy as np
-from codespec.memory import return_freed_memory
+from codespec.cli.memory import return_freed_memory
 return_freed_memory()
 np.ones(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -248,7 +248,7 @@ def test_buffers_under_the_threshold_keep_their_pages_between_uses():
 
 MATMUL_SHAPES = """
 import torch
-from codespec.memory import return_freed_memory
+from codespec.cli.memory import return_freed_memory
 return_freed_memory()
 torch.set_num_threads(1)
 shapes = [(576, 960), (576, 3072), (1536, 576)]  # the default model's layer matmuls
@@ -269,7 +269,7 @@ def test_onednn_and_ideep_keep_few_matmuls_so_new_batch_shapes_do_not_grow_memor
     environment = {key: value for key, value in os.environ.items() if key != variable}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "environ", environment)
-        import codespec.memory as memory
+        import codespec.cli.memory as memory
         memory.return_freed_memory()
         assert environment[variable] == str(getattr(memory, name))
     default, bounded = printed_number(MATMUL_SHAPES, **{variable: "1024"}), printed_number(MATMUL_SHAPES)
