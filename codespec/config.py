@@ -59,6 +59,9 @@ class SamplingParams:
     seed: int | None = None  # fixes the sampling stream for reproducible output
     stop: tuple[str, ...] = ()  # generation ends when the text contains any of these
 
+    def __post_init__(self):
+        self.validate()  # a setting out of range never exists: construction (and dataclasses.replace) checks it
+
     def validate(self) -> None:
         # sampling divides float32 logits by the temperature and compares float32 sums with top_p: a smaller
         # temperature overflows to inf (NaN probabilities), a smaller top_p rounds to 0 (no token left)
@@ -94,6 +97,9 @@ class SpecConfig:
     draft_model: str | None = None  # draft: a model sharing the target's tokenizer (path, .gguf or hub id)
     draft_layers: int = 0  # draft: > 0 derives the draft model from the target's first N layers instead
     draft_p_min: float = 0.0  # draft: stop drafting when the draft model's top probability falls below this
+
+    def __post_init__(self):
+        self.validate()  # a setting out of range never exists: construction (and dataclasses.replace) checks it
 
     def validate(self) -> None:
         problem = unknown_drafters(self.spec)
@@ -162,6 +168,9 @@ class ModelConfig:
     # GPUs every session's cache has this fixed size (graphs.py): a shorter one is less memory and attention
     extra: dict = field(default_factory=dict)  # passed to from_pretrained
 
+    def __post_init__(self):
+        self.validate()  # a setting out of range never exists: construction (and dataclasses.replace) checks it
+
     def validate(self) -> None:
         if self.context < 0:
             raise InvalidSetting(f"--ctx-size must be 0 (the model's context) or more, got {self.context}")
@@ -201,6 +210,9 @@ class ServerConfig:
     n_predict: int = -1  # most tokens a request generates (llama-server's -n): a request that sets no limit
     # (n_predict / max_tokens) gets this many, one that asks for more is cut to it; -1: until the end of the text
     # or of the context, as llama.cpp (llama.vim's instructions set no limit)
+
+    def __post_init__(self):
+        self.validate()  # a setting out of range never exists: construction (and dataclasses.replace) checks it
 
     def validate(self) -> None:
         if not 0 < self.read_timeout <= 86400:

@@ -88,7 +88,6 @@ class Engine:
     context: int = 0  # ModelConfig.context: tokens of context, 0 for the model's own
 
     def __post_init__(self):
-        self.spec.validate()
         # the target forward, all sessions
         self.plan = resolve(self.model, "transformers" if self.forward == "transformers" else "lean", self.gguf,
                             self.prompt_precision, self.cache_type, self.activations, self.invariant == "on",
@@ -127,7 +126,6 @@ class Engine:
         from .forward.models import DEFAULT_ALIASES, gguf_source, load
 
         model_config = model_config or ModelConfig()
-        model_config.validate()
         gguf = gguf_source(model_config.model) if model_config.weights == "gguf" else None
         model, tokenizer = load(model_config, show_progress=show_progress)
         if model_config.weights == "auto":  # the GGUF the model came from, where its blocks run here
@@ -320,8 +318,6 @@ class Engine:
         string (healing.heal) the output must start with; its text is not part of the output."""
         params = params or SamplingParams()
         spec = spec or self.spec
-        params.validate()
-        spec.validate()
         prompt_ids = self.prompt_ids(prompt, chat)
         session = self.session(session_id, spec)
         session.chain.set_reference(reference)  # every generation: one without a reference clears it

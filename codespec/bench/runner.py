@@ -64,8 +64,8 @@ class Row:
 
 def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig, layers: int = 30) -> list[Config]:
     """layers: the target's layer count; the draft model config uses its first quarter."""
-    def spec(*names):
-        return SpecConfig(spec=names, draft_max=draft_max)
+    def spec(*names, **more):
+        return SpecConfig(spec=names, draft_max=draft_max, **more)
 
     configs = [Config(PLAIN, spec("none")), Config(HF_LOOKUP, hf_options={"prompt_lookup_num_tokens": 10}),
                Config(DEFAULT_CHAIN, default_spec), Config(FIXED_CHAIN, replace(default_spec, adaptive=False)),
@@ -74,7 +74,7 @@ def build_configs(quick: bool, draft_max: int, default_spec: SpecConfig, layers:
         configs += [
             Config(name, spec(name)) for name in ("ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")]
         # a draft model is always at hand: the target's own first layers, sharing its weights
-        configs.append(Config(DRAFT_QUARTER, replace(spec("draft"), draft_layers=max(1, layers // 4))))
+        configs.append(Config(DRAFT_QUARTER, spec("draft", draft_layers=max(1, layers // 4))))
     return configs
 
 

@@ -99,7 +99,6 @@ def run_lsp(args) -> int:
         tcp = (host, int(port))
     given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
     model_config = ModelConfig(**given)
-    model_config.validate()
     server_url = None
     if args.server is not None:
         server_url = args.server if "://" in args.server else f"http://{args.server}"

@@ -154,10 +154,7 @@ def settings_from_args(args) -> tuple[ModelConfig, SpecConfig, SamplingParams]:
             given = getattr(args, field.name, None)
             if given is not None:
                 values[field.name] = tuple(given) if isinstance(given, list) else given
-        settings = cls(**values)
-        if hasattr(settings, "validate"):
-            settings.validate()
-        built.append(settings)
+        built.append(cls(**values))  # (each checks itself)
     return tuple(built)
 
 
@@ -167,7 +164,6 @@ def server_config(args) -> ServerConfig:
                           parallel=args.parallel, slots=args.slots, session_memory=args.session_memory << 20,
                           allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                           read_timeout=args.read_timeout, n_predict=serve_n_predict(args))
-    config.validate()
     return config
 
 

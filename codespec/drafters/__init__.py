@@ -115,7 +115,6 @@ def build_drafter(name: str, spec: SpecConfig, shared: SharedDrafting) -> Drafte
 def build_chain(spec: SpecConfig, shared: SharedDrafting | None = None) -> Chain:
     """Drafters in the order given, except that model drafters go last: the first non-empty draft
     wins, so the cheap draftless ones are asked first and a draft model is the fallback."""
-    spec.validate()
     shared = shared or SharedDrafting()
     order = sorted(spec.spec, key=lambda name: name in MODEL_DRAFTERS)
     return Chain([build_drafter(name, spec, shared) for name in order], draft_min=spec.draft_min)

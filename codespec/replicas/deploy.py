@@ -294,7 +294,6 @@ def build_app(args, replicas: int):
 
     model, spec, params = settings_from_args(args)
     server = server_config(args)
-    model.validate()
     name = DEFAULT_NAME if model.model in DEFAULT_ALIASES else model.model
     aliases = DEFAULT_ALIASES if model.model in DEFAULT_ALIASES else ()
     cpus = args.replica_cpus

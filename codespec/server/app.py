@@ -35,7 +35,6 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                model_name: str = "codespec", model_aliases=()) -> FastAPI:
     """model_name: the id /v1/models lists; a request's `model` must be it, one of model_aliases, or empty."""
     config = config or ServerConfig()
-    config.validate()
     engine.session_memory = config.session_memory
     scheduler = Scheduler(engine, config.max_queue, config.parallel)
     # the adaptive cost table, on the worker's thread (its OpenMP team), now rather than in the first request: ~4 s

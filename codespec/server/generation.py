@@ -114,12 +114,9 @@ class Generations:
                         if getattr(body, name) is not None}
         if body.spec is not None:
             spec_updates["spec"] = tuple(body.spec)
-        params, spec = replace(self.params, **updates), replace(self.spec, **spec_updates)
         if "draft_max" in spec_updates and "draft_min" not in spec_updates:
-            spec = replace(spec, draft_min=min(spec.draft_min, spec.draft_max))
-        params.validate()
-        spec.validate()
-        return params, spec
+            spec_updates["draft_min"] = min(self.spec.draft_min, spec_updates["draft_max"])
+        return replace(self.params, **updates), replace(self.spec, **spec_updates)  # (each checks itself)
 
     @staticmethod
     def session_name(body, tenant: str = "") -> str | None:

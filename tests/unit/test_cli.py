@@ -168,13 +168,17 @@ def test_draft_model_with_another_vocabulary_is_refused(capsys, tiny_dir, tmp_pa
     assert code == 1 and "--draft-model" in err
 
 
-def test_a_setting_out_of_range_is_a_one_line_error_wherever_it_is_validated():
-    """validate() raises config.InvalidSetting: a CodespecError (one line to the user, a 4xx from the server) that
-    code checking for ValueError still catches, so no caller wraps it."""
+def test_a_setting_out_of_range_cannot_be_made():
+    """The settings check themselves when made (and when dataclasses.replace makes one): config.InvalidSetting, a
+    CodespecError (one line to the user, a 4xx from the server) that code checking for ValueError still catches, so
+    no caller validates or wraps it."""
+    from dataclasses import replace
+
     from codespec.config import InvalidSetting, ModelConfig, SamplingParams, ServerConfig, SpecConfig
 
-    for setting, message in ((SpecConfig(draft_max=0), "draft-max"), (SamplingParams(top_p=2.0), "top-p"),
-                             (ModelConfig(context=-1), "ctx-size"), (ServerConfig(port=70000), "port")):
+    for make, message in ((lambda: SpecConfig(draft_max=0), "draft-max"), (lambda: SamplingParams(top_p=2.0), "top-p"),
+                          (lambda: ModelConfig(context=-1), "ctx-size"), (lambda: ServerConfig(port=70000), "port"),
+                          (lambda: replace(SpecConfig(), spec=("draft",)), "draft-model")):
         with pytest.raises(InvalidSetting, match=message) as raised:
-            setting.validate()
+            make()
         assert isinstance(raised.value, CodespecError) and isinstance(raised.value, ValueError)
