@@ -58,9 +58,10 @@ def pytest_unconfigure(config):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "needs_cpu(*features): the test's kernels need these CPU features (LLVM's "
-                            "names, e.g. avx512vnni); on a CPU without them it must be refused with an error naming "
-                            "one (capabilities.MissingInstructions or a CodespecError), never an abort nor a silent result")
+    config.addinivalue_line("markers", "needs_kernels(*kernels): the test runs these kernels (their names in "
+                            "codespec/forward/kernels/capabilities.py's table); on a CPU without what the table says "
+                            "they need, what the test asks for must be refused with an error naming a missing feature "
+                            "(capabilities.MissingInstructions or a CodespecError), never an abort nor a silent result")
 
 
 def _plain(name: str) -> str:
@@ -69,20 +70,22 @@ def _plain(name: str) -> str:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """needs_cpu: where the CPU has the features, the test runs as written. Where it lacks one (an AVX2 laptop, an
-    ARM64 Mac, some CI hosts), what the test asks for must fail cleanly instead: its numbers are checked on CPUs
-    that have the instructions (and test_kernel_targets compiles those tiles for Zen 4 on any x86 host)."""
+    """needs_kernels: where the CPU has what the capability table says the kernels need, the test runs as written.
+    Where it lacks one (an AVX2 laptop, an ARM64 Mac, some CI hosts), what the test asks for must fail cleanly
+    instead: its numbers are checked on CPUs that have the instructions (and test_kernel_targets compiles those tiles for Zen 4 on any x86 host)."""
     from codespec.errors import CodespecError
-    from codespec.forward.kernels.capabilities import MissingInstructions, host_has
+    from codespec.forward.kernels import capabilities
+    from codespec.forward.kernels.capabilities import MissingInstructions
 
-    marker = item.get_closest_marker("needs_cpu")
-    missing = [feature for feature in (marker.args if marker else ()) if not host_has(feature)]
+    marker = item.get_closest_marker("needs_kernels")
+    kernels = marker.args if marker else ()
+    missing = sorted({feature for kernel in kernels for feature in capabilities.missing(kernel)})
     if not missing:
         return (yield)
     try:
         yield
     except (MissingInstructions, CodespecError) as error:
-        if any(_plain(feature) in _plain(str(error)) for feature in marker.args):
+        if any(_plain(feature) in _plain(str(error)) for feature in missing):
             return None  # refused, naming what is missing
         raise
     raise AssertionError(f"this CPU lacks {', '.join(missing)}, yet the test's kernels ran without an error")

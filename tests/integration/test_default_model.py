@@ -156,7 +156,7 @@ def test_shared_pool_across_sessions_on_the_default_model(default_engine):
     assert [d.name for d in result.stats.drafters] == ["prompt-lookup", "ngram-mod", "draft"]
 
 
-@pytest.mark.needs_cpu("avx512vnni")
+@pytest.mark.needs_kernels("q8 cache attention")
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_greedy_identity_with_a_q8_cache(default_engine, name):
     """--cache-type q8 (keys and values in 8 bits, scored against queries rounded alike): speculative greedy output

@@ -110,7 +110,7 @@ def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tm
 
 
 @pytest.mark.parametrize("activations, draft_length", [
-    ("float32", 4), *(pytest.param("q8", n, marks=pytest.mark.needs_cpu("avx512vnni")) for n in (4, 24))])
+    ("float32", 4), *(pytest.param("q8", n, marks=pytest.mark.needs_kernels("q8 block tiles")) for n in (4, 24))])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for_bit(tmp_path, kind, activations,
                                                                                   draft_length):

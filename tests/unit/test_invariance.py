@@ -16,7 +16,7 @@ from tests.unit.test_block_tiles import write_gguf
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 300, 90)]
 SPLITS = {"one chunk": [89], "32": [32, 32, 25], "16": [16] * 5 + [9], "7": [7] * 12 + [5], "one by one": [1] * 89,
           "40 + rest": [40, 49]}
-ACTIVATIONS = ["float32", pytest.param("q8", marks=pytest.mark.needs_cpu("avx512vnni"))]
+ACTIVATIONS = ["float32", pytest.param("q8", marks=pytest.mark.needs_kernels("q8 block tiles"))]
 
 
 def lean(tmp_path, activations: str, invariant: bool = True):

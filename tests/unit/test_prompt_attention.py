@@ -55,7 +55,7 @@ def inputs(start, count, heads, kv_heads, dim, dtype, seed=0):
     return q, keys, values
 
 
-@pytest.mark.needs_cpu("avx512bf16")
+@pytest.mark.needs_kernels("prompt attention")
 @pytest.mark.parametrize("start, count, heads, kv_heads, dim, dtype", [
     (0, 40, 9, 3, 64, torch.float16), (0, 128, 9, 3, 64, torch.float16), (300, 128, 9, 3, 64, torch.float16),
     (17, 33, 4, 2, 16, torch.float32), (100, 1, 4, 4, 32, torch.float32), (1000, 24, 8, 1, 64, torch.float16)])
@@ -69,7 +69,7 @@ def test_the_tiles_compute_attention_over_bfloat16_roundings(start, count, heads
     assert (got - exact).abs().max() < 2e-2 * exact.abs().max()  # bfloat16's 8 bits, not other numbers
 
 
-@pytest.mark.needs_cpu("avx512bf16")
+@pytest.mark.needs_kernels("prompt attention")
 def test_a_row_gets_the_same_bits_in_any_chunk():
     """Each row sums over its own keys in one order: the prompt's split into chunks does not change it."""
     q, keys, values = inputs(20, 60, 9, 3, 64, torch.float16, seed=1)
@@ -80,7 +80,7 @@ def test_a_row_gets_the_same_bits_in_any_chunk():
 
 
 @pytest.mark.parametrize("activations", [
-    pytest.param("q8", marks=pytest.mark.needs_cpu("avx512vnni", "avx512bf16")), "float32"])
+    pytest.param("q8", marks=pytest.mark.needs_kernels("q8 block tiles", "prompt attention")), "float32"])
 def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeypatch, activations):
     """q8 activations: chunks of more than layers.FEW_ROWS prompt rows attend in the bfloat16 tiles (where the CPU
     has them: monkeypatched away, PyTorch's attention); float32 activations keep PyTorch's float32 attention. The
@@ -98,7 +98,7 @@ def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeyp
     assert (logits - fallback).abs().max() < 0.05 * fallback.abs().max()
 
 
-@pytest.mark.needs_cpu("avx512vnni", "avx512bf16")
+@pytest.mark.needs_kernels("q8 block tiles", "prompt attention")
 def test_prompt_chunks_batched_together_get_the_bits_they_get_alone(tmp_path):
     """A prompt chunk alone runs its layers in one numba call (layers._prompt_layers); with another sequence in the
     forward, layer by layer from Python (layers._attend_apart): the same numbers either way."""
@@ -110,7 +110,7 @@ def test_prompt_chunks_batched_together_get_the_bits_they_get_alone(tmp_path):
     assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
 
 
-@pytest.mark.needs_cpu("avx512vnni", "avx512bf16")
+@pytest.mark.needs_kernels("q8 block tiles", "prompt attention")
 def test_a_prompts_split_into_chunks_does_not_change_its_logits(tmp_path):
     """With q8 activations every row's projections and prompt attention are its own: one chunk of 1,200 rows (whose
     MLP runs in slices of rows, layers.MLP_BYTES) and three of 400 give the same bits."""
@@ -128,7 +128,7 @@ def test_a_prompts_split_into_chunks_does_not_change_its_logits(tmp_path):
     assert torch.equal(whole, torch.cat(parts))
 
 
-@pytest.mark.needs_cpu("avx512vnni", "avx512bf16")
+@pytest.mark.needs_kernels("q8 block tiles", "prompt attention")
 def test_kept_layouts_follow_crops_and_moves(tmp_path):
     """A cache keeps its keys laid out for the tiles between prompt chunks (prompt_attention.Laid): after a crop and
     another text, and after keys moved into it, a chunk gives the bits that a fresh cache holding the same keys

@@ -36,7 +36,7 @@ def test_rounding_keeps_each_block_within_half_a_step_and_sums_its_integers():
         assert np.array_equal(got[7:8], alone)
 
 
-@pytest.mark.needs_cpu("avx512vnni")
+@pytest.mark.needs_kernels("q8 block tiles")
 @pytest.mark.parametrize("kind, outputs", [("Q4_1", 48), ("Q4_1", 45), ("Q8_0", 40)])
 def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(
         kind, outputs):
@@ -61,7 +61,7 @@ def test_the_repacked_scales_must_be_float16_values():
         blocks.weight(q8=True)
 
 
-@pytest.mark.needs_cpu("avx512vnni")
+@pytest.mark.needs_kernels("q8 block tiles")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_tiny_model_on_rounded_activations_stays_near_the_exact_products(tmp_path, kind):
     """The rounding moves the logits a little (8 bits per block of 32), not to other numbers."""
@@ -77,7 +77,7 @@ def test_a_tiny_model_on_rounded_activations_stays_near_the_exact_products(tmp_p
     assert torch.equal(a.argmax(dim=-1), b.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("activations", [pytest.param("q8", marks=pytest.mark.needs_cpu("avx512vnni")), "float32"])
+@pytest.mark.parametrize("activations", [pytest.param("q8", marks=pytest.mark.needs_kernels("q8 block tiles")), "float32"])
 def test_with_q8_a_prompt_chunk_and_a_long_verify_stay_in_numba(tmp_path, activations):
     """With q8 activations every forward runs the q8 tiles (PyTorch's float32 products would give other logits);
     with float32 ones, forwards over more than layers.FEW_ROWS rows go to PyTorch's path."""
@@ -112,7 +112,7 @@ def test_q8_is_refused_where_it_cannot_run(tmp_path):
     assert forward_path(model, gguf=path, prompt_precision="bfloat16", activations="float32").prompt_weights
 
 
-@pytest.mark.needs_cpu("avx512vnni")
+@pytest.mark.needs_kernels("q8 block tiles")
 def test_speculative_and_plain_greedy_agree_on_rounded_activations_with_long_drafts(tmp_path, tokenizer):
     """Drafts of up to 32 tokens: verify forwards past layers.FEW_ROWS rows, still the tokens of decoding alone."""
     from codespec.config import SamplingParams, SpecConfig

@@ -31,7 +31,7 @@ def q8_model(seed: int = 0) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).float().eval()
 
 
-@pytest.mark.needs_cpu("avx512vnni")
+@pytest.mark.needs_kernels("q8 cache attention")
 def test_keys_values_and_queries_are_rounded_to_8_bits_and_scored_in_exact_integers():
     torch.manual_seed(3)
     heads, kv_heads, dim = 9, 3, 64
@@ -58,7 +58,7 @@ def test_keys_values_and_queries_are_rounded_to_8_bits_and_scored_in_exact_integ
         assert (out - expected).abs().max().item() < 1e-5
 
 
-@pytest.mark.needs_cpu("avx512vnni")
+@pytest.mark.needs_kernels("q8 cache attention")
 def test_with_a_q8_cache_a_verify_forward_equals_one_token_forwards_bit_for_bit(tmp_path):
     model = q8_model()
     lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8",
@@ -77,7 +77,7 @@ def test_with_a_q8_cache_a_verify_forward_equals_one_token_forwards_bit_for_bit(
     assert torch.equal(lean.batch([Rows(other, [3, 4, 5], 3), Rows(verify, draft[:3], 3)])[1], alone[:3])
 
 
-@pytest.mark.needs_cpu("avx512vnni")
+@pytest.mark.needs_kernels("q8 cache attention")
 def test_speculative_and_plain_greedy_agree_and_differ_from_a_float16_cache_by_rounding(tmp_path, tokenizer):
     model = q8_model(1)
     path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
@@ -86,7 +86,7 @@ def test_speculative_and_plain_greedy_agree_and_differ_from_a_float16_cache_by_r
     assert 0 < difference < 0.1 * logits["f16"].abs().max().item()
 
 
-@pytest.mark.needs_cpu("avx512vnni")
+@pytest.mark.needs_kernels("q8 cache attention")
 def test_a_move_turns_the_keys_read_back_and_rounds_them_again(tmp_path):
     """A cache-reuse move (llama-server's --cache-reuse) on a q8 cache: each key read as integers times its scale,
     turned in float64, rounded to float32 and to 8 bits again; values as they are.
