@@ -89,6 +89,12 @@ def test_nothing_above_the_forward_imports_a_kernel():
             for name, targets in above.items() if any(t.startswith("codespec.forward.kernels") for t in targets)} == {}
 
 
+def test_the_forward_imports_nothing_above_it_but_the_settings_and_errors():
+    up = {name: sorted(t for t in targets if not t.startswith("codespec.forward"))
+          for name, targets in graph().items() if name.startswith("codespec.forward")}
+    assert {name: targets for name, targets in up.items() if set(targets) - {"codespec.config", "codespec.errors"}} == {}
+
+
 def test_the_servers_the_lsps_and_the_clis_functions_are_short():
     long = []
     for folder in ("codespec/server", "codespec/cli", "lsp"):
