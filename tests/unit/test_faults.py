@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -28,6 +29,7 @@ from codespec.forward import forward_path
 from codespec.server import create_app
 from tests.serving import live_server
 from tests.tiny import EOS, tiny_model, tiny_tokenizer
+from tests.unit.test_block_tiles import write_gguf
 
 
 @pytest.fixture
@@ -35,8 +37,7 @@ def fake_gguf(tmp_path, monkeypatch):
     """A .gguf file whose "conversion" yields the tiny model, with $CODESPEC_HOME in tmp_path: its path as `file`,
     and `conversions`, which grows by one each time it is read."""
     monkeypatch.setenv("CODESPEC_HOME", str(tmp_path / "home"))
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf = write_gguf(tmp_path / "tiny.gguf", tiny_model(dtype=torch.float32), permute=True)  # (its header is read)
     conversions = []
     load_model, load_tokenizer = transformers.AutoModelForCausalLM.from_pretrained, \
         transformers.AutoTokenizer.from_pretrained
@@ -88,6 +89,29 @@ def test_a_damaged_converted_model_is_converted_again(fake_gguf, tmp_path, capsy
     assert f"the converted model is damaged: {converted / file}" in err and "converting it again" in err
     assert len(fake_gguf.conversions) == 2
     assert models(tmp_path) == [converted.name]  # no staging folder, no old copy left beside it
+
+
+def test_a_conversion_that_would_not_fit_in_memory_is_refused_before_it_starts(fake_gguf, capsys, monkeypatch):
+    """The kernel would kill the process part way through (a 1.7B Q4_K_M took 24 GB): one line instead, from the
+    file's header, before transformers reads a weight. The machine's free memory is the one thing made up here."""
+    from codespec.forward import models
+
+    needed = models.conversion_memory(Path(fake_gguf.file))
+    assert 0 < needed < 1 << 30  # the tiny model's weights as float32, times CONVERSION_MEMORY
+    monkeypatch.setattr(models, "available_memory", lambda: needed - 1)
+    code, err = run(capsys, "pull", "--model", fake_gguf.file)
+    assert code == 1 and "takes about" in err and "MB is available" in err and len(err.strip().splitlines()) == 1
+    assert fake_gguf.conversions == []
+    monkeypatch.setattr(models, "available_memory", lambda: needed)
+    assert run(capsys, "pull", "--model", fake_gguf.file)[0] == 0 and len(fake_gguf.conversions) == 1
+
+
+def test_a_truncated_gguf_is_one_line_before_anything_heavy(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CODESPEC_HOME", str(tmp_path / "home"))
+    gguf = write_gguf(tmp_path / "cut.gguf", tiny_model(dtype=torch.float32), permute=True)
+    truncate(gguf)
+    code, err = run(capsys, "pull", "--model", str(gguf))
+    assert code == 1 and err.startswith("codespec: error: cannot read GGUF") and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("error", [
