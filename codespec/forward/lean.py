@@ -23,7 +23,7 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
 - `TransformersForward` runs anything else through the model's own forward with transformers' cache,
   built so that a rollback works on every layer type (`TransformersCache`).
 
-`forward_path(model)` picks the lean path when the model fits it.
+plan.py decides which path runs (and how); `build(plan, model)` makes it, `forward_path(model)` does both.
 """
 
 from __future__ import annotations
@@ -147,13 +147,14 @@ class LeanLlama:
         - cache_dtype: the element type of caches made from now on."""
         previous, self.plan = self.plan, plan
         self.q8 = plan.activations == "q8"
-        if self.blocks is not None and (previous is None or previous.activations != plan.activations):
-            projections = [b for layer in self.blocks["layers"] for b in layer]
-            self.kernel_weights = layers.Weights(self._norms, self.biases, projections, self.norm,
-                                                 self.blocks["head"], q8=self.q8)
-        elif self.blocks is None:
-            self.kernel_weights = (layers.Weights(self._norms, self.biases, self.projections, self.norm,
-                                                  self.lm_head.weight) if plan.weights == "16 bits" else None)
+        if previous is None or (previous.weights, previous.activations) != (plan.weights, plan.activations):
+            # (built only when what the kernels read changes: ~1 s of numba typed lists)
+            if self.blocks is not None:
+                projections, head = [b for layer in self.blocks["layers"] for b in layer], self.blocks["head"]
+            else:
+                projections, head = self.projections, self.lm_head.weight
+            self.kernel_weights = (layers.Weights(self._norms, self.biases, projections, self.norm, head, q8=self.q8)
+                                   if plan.weights != "checkpoint" else None)
         self.reads = {"gguf blocks": "gguf blocks, q8 activations" if self.q8 else "gguf blocks",
                       "16 bits": "16 bits"}.get(plan.weights, "float32")  # (the cost cache's key)
         self.few_rows_kernel = plan.cache_kernel

@@ -72,10 +72,10 @@ def resolve(model, forward: str = "lean", gguf: Optional[Path] = None, prompt_pr
     head_dim = _head_dim(model.config)
     cache_kernel = cpu32 and head_dim % 16 == 0 and attention.ready()
     invariant = invariant and gguf is not None and cache_kernel
-    plan = ForwardPlan("lean", gguf, weights, "q8" if q8 else "float32", cache_of(cache_type, cache_kernel, q8, head_dim),
-                       prompts_of(prompt_precision, cpu32, q8, invariant), invariant, cache_kernel,
-                       instruction_set() if weights != "checkpoint" or cache_kernel else "", dtype)
-    return plan
+    kernels = instruction_set() if weights != "checkpoint" or cache_kernel else ""
+    cache = cache_of(cache_type, cache_kernel, q8, head_dim)
+    return ForwardPlan("lean", gguf, weights, "q8" if q8 else "float32", cache,
+                       prompts_of(prompt_precision, cpu32, q8, invariant), invariant, cache_kernel, kernels, dtype)
 
 
 def lean_unsupported(model) -> Optional[str]:

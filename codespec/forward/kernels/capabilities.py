@@ -47,12 +47,16 @@ def missing(kernel: str, have=None) -> list[str]:
     return [feature for feature in NEEDS[kernel] if not (host_has(feature) if have is None else feature in have)]
 
 
+@functools.cache
 def available(kernel: str) -> bool:
+    """Whether `kernel` runs here (asked on every forward by the drivers: kept)."""
     return not missing(kernel)
 
 
 def check(kernel: str) -> None:
     """MissingInstructions, naming the features, where `kernel` cannot run here: before anything is compiled."""
+    if available(kernel):
+        return
     lacking = missing(kernel)
     if lacking:
         raise MissingInstructions(f"this CPU lacks {', '.join(lacking)}, which the {kernel} kernels need")
