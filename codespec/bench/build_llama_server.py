@@ -1,4 +1,5 @@
-"""Build llama.cpp's ``llama-server`` (CPU, Release) for ``codespec bench --llama-server``.
+"""Build llama.cpp's ``llama-server`` and ``llama-quantize`` (CPU, Release) for ``codespec bench --llama-server``
+and for requantizing GGUFs into the types people download (Q8_0, Q4_K_M, ...).
 
 For people who lack a binary: the ``llama-cpp-python`` source distribution on PyPI vendors llama.cpp, so this
 needs PyPI, a C/C++ compiler and CMake (plus Ninja if present) — no GitHub::
@@ -7,7 +8,8 @@ needs PyPI, a C/C++ compiler and CMake (plus Ninja if present) — no GitHub::
 
 It downloads the pinned sdist with ``pip download --no-deps --no-binary :all:``, unpacks it, configures
 ``vendor/llama.cpp`` (Release, CPU only, static, no HTTPS, no web UI, no tests/examples), builds only the
-``llama-server`` target with one job per core, and prints the binary's path. If ``cmake`` (or ``ninja``) is
+``llama-server`` and ``llama-quantize`` targets with one job per core, and prints llama-server's path
+(``llama-quantize`` lies beside it). If ``cmake`` (or ``ninja``) is
 not on PATH it is pip-installed into this Python's environment first, and the script says so.
 
 Pinned: llama-cpp-python 0.3.36, whose vendored llama.cpp's ``llama-server`` has ``--spec-type`` with
@@ -101,13 +103,20 @@ def build(out: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None =
     t0 = time.monotonic()
     _say(f"configuring {src} (Release, CPU only) in {bdir}")
     subprocess.run([cmake, "-S", str(src), "-B", str(bdir), *gen, *CMAKE_FLAGS], check=True)
-    _say(f"building llama-server with {jobs} jobs (takes a while on few cores)")
-    subprocess.run([cmake, "--build", str(bdir), "--target", "llama-server", "-j", str(jobs)], check=True)
+    _say(f"building llama-server and llama-quantize with {jobs} jobs (takes a while on few cores)")
+    subprocess.run([cmake, "--build", str(bdir), "--target", "llama-server", "llama-quantize", "-j", str(jobs)],
+                   check=True)
     binary = bdir / "bin" / "llama-server"
-    if not binary.exists():
-        raise SystemExit(f"build-llama-server: build finished but {binary} is missing")
+    for built in (binary, quantizer(binary)):
+        if not built.exists():
+            raise SystemExit(f"build-llama-server: build finished but {built} is missing")
     _say(f"built in {time.monotonic() - t0:.0f} s")
     return binary
+
+
+def quantizer(server: Path) -> Path:
+    """llama-quantize, built beside `server` (llama-server's path)."""
+    return Path(server).parent / "llama-quantize"
 
 
 def main(argv: list[str] | None = None) -> int:

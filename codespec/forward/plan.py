@@ -67,9 +67,9 @@ def resolve(model, forward: str = "lean", gguf: Optional[Path] = None, prompt_pr
     if gguf is not None and not (cpu32 and layers.ready()):
         raise CodespecError("--weights gguf runs on CPUs in float32 (--device cpu --dtype float32), with numba's "
                             "OpenMP pool (the system's libgomp)")
-    q8 = q8_activations(activations, blocks=gguf is not None)
-    weights = "gguf blocks" if gguf is not None else ("16 bits" if cpu32 and sixteen_bits(model) else "checkpoint")
     head_dim = _head_dim(model.config)
+    q8 = q8_activations(activations, gguf, head_dim)
+    weights = "gguf blocks" if gguf is not None else ("16 bits" if cpu32 and sixteen_bits(model) else "checkpoint")
     cache_kernel = cpu32 and head_dim % 16 == 0 and attention.ready()
     invariant = invariant and gguf is not None and cache_kernel
     kernels = instruction_set() if weights != "checkpoint" or cache_kernel else ""
@@ -100,15 +100,21 @@ def lean_unsupported(model) -> Optional[str]:
     return None
 
 
-def q8_activations(activations: str, blocks: bool) -> bool:
-    """Whether the GGUF's blocks multiply activations rounded to 8 bits (q8; auto: on CPUs with AVX512-VNNI)."""
-    if not blocks:
+def q8_activations(activations: str, gguf: Optional[Path], head_dim: int) -> bool:
+    """Whether the GGUF's blocks multiply activations rounded to 8 bits (q8; auto: on CPUs with AVX512-VNNI, for the
+    files whose blocks the q8 tiles take: block_tiles.q8_problem)."""
+    if gguf is None:
         if activations == "q8":
             raise CodespecError("--activations q8 multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
         return False
     if activations == "q8" and not q8_tiles.available():
         raise CodespecError("--activations q8 needs a CPU with AVX512-VNNI; use --activations float32")
-    return activations == "q8" or (activations == "auto" and q8_tiles.available())
+    if activations == "float32" or not q8_tiles.available():
+        return False
+    problem = block_tiles.q8_problem(gguf, 1.0 / head_dim ** 0.5)
+    if problem is not None and activations == "q8":
+        raise CodespecError(f"--activations q8 cannot take {gguf.name}: {problem}; use --activations float32")
+    return problem is None
 
 
 def cache_of(cache_type: str, cache_kernel: bool, q8: bool, head_dim: int) -> str:

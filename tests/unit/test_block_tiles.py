@@ -1,4 +1,5 @@
-"""--weights gguf: a GGUF's own Q4_1 / Q8_0 blocks in the few-row forward (codespec/forward/kernels/block_tiles.py)."""
+"""--weights gguf: a GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in the few-row forward
+(codespec/forward/kernels/block_tiles.py)."""
 
 import gguf
 import numpy as np
@@ -10,21 +11,25 @@ from gguf import quants
 from codespec.forward.kernels import block_tiles
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, Rows, forward_path
+from tests.kquants import encode
 from tests.tiny import tiny_arch_model
 
 NO_NORM = np.zeros(0, dtype=np.float32)
 
 
 def random_blocks(kind: str, outputs: int, inputs: int, seed: int = 0) -> block_tiles.Blocks:
+    """Blocks of tile layout `kind` with random integers, scales and minimums (float16 values, as files have)."""
     rng = np.random.default_rng(seed)
-    block, minimum = block_tiles.KINDS[kind]
-    scales = (rng.random((outputs, inputs // 32)) * 0.1).astype(np.float16).astype(np.float32)
-    minimums = (rng.random((outputs, inputs // 32)) - 0.5).astype(np.float16).astype(np.float32)
-    return block_tiles.Blocks(kind, rng.integers(0, 256, (outputs, inputs // 32 * block), dtype=np.uint8), scales,
-                            minimums if minimum else np.zeros_like(scales))
+    layout = block_tiles.KINDS[kind]
+    shape = (outputs, inputs // 32, layout.scales)
+    scales = (rng.random(shape) * 0.1).astype(np.float16).astype(np.float32)
+    minimums = (rng.random(shape) - 0.5).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (outputs, inputs // 32, 32)) if layout.q_bytes == 16 else rng.integers(
+        -128, 128, (outputs, inputs // 32, 32))
+    return block_tiles.Blocks.of(kind, q, scales, minimums if layout.minimum else None)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", list(block_tiles.KINDS))
 def test_the_kernel_multiplies_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(kind):
     """Each (row, column) is the same sequence of float operations in every tile: a row's result is the same
     whether it comes alone or in a tile of several (11 rows: 4 + 4 + 2 + 1 with AVX-512, 2 + ... + 1 with AVX2)."""
@@ -43,13 +48,50 @@ def test_the_kernel_multiplies_by_the_blocks_values_and_a_row_gets_the_same_bits
     assert np.abs(normed - expected.numpy() @ weights.T).max() < 1e-5 * np.abs(normed).max()
 
 
-@pytest.mark.parametrize("kind", [Type.Q4_1, Type.Q8_0])
-def test_the_blocks_values_are_gguf_own_dequantisation(kind):
-    weight = np.random.default_rng(3).standard_normal((8, 96)).astype(np.float32)
-    raw = quants.quantize(weight, kind)
+FILE_TYPES = [Type.Q4_0, Type.Q4_1, Type.Q5_0, Type.Q5_1, Type.Q8_0, Type.Q4_K, Type.Q5_K, Type.Q6_K]
+
+
+def quantize(weight: np.ndarray, kind: Type) -> np.ndarray:
+    """A file's raw blocks of `weight`: gguf's own encoder, or tests/kquants.py's for the K-quants it cannot write."""
+    if kind.name.endswith("_K"):
+        return encode(weight, kind.name)
+    return quants.quantize(weight, kind)
+
+
+@pytest.mark.parametrize("kind", FILE_TYPES, ids=lambda kind: kind.name)
+def test_every_file_type_runs_in_the_tiles_as_gguf_dequantizes_it(kind):
+    """Each GGUF type's blocks, read into their tile layout, hold exactly gguf.quants.dequantize's weights, and the
+    kernel multiplies by them: against a float64 product of those weights, and the same bits for a row alone or in
+    a tile. The K-quants come from tests/kquants.py's encoder (gguf 0.19 cannot write them): its blocks round trip
+    through gguf's own decoder to the weights it encoded, within a quantisation step."""
+    weight = np.random.default_rng(3).standard_normal((40, 512)).astype(np.float32)
+    raw = quantize(weight, kind)
+    reference = quants.dequantize(raw, kind)
+    assert np.abs(reference - weight).max() < 0.5 * np.abs(weight).max()
     tensor = type("Tensor", (), {"name": "t", "tensor_type": kind, "data": raw})
-    values = block_tiles.Blocks.read(tensor).values().numpy()
-    assert np.array_equal(values, quants.dequantize(raw, kind))
+    blocks = block_tiles.Blocks.read(tensor)
+    assert blocks.source == kind.name
+    assert np.array_equal(blocks.values().numpy(), reference)
+    x = np.random.default_rng(4).standard_normal((5, 512)).astype(np.float32)
+    together = block_tiles.linear(x, NO_NORM, np.float32(1e-5), blocks.weight())
+    exact = x.astype(np.float64) @ reference.astype(np.float64).T
+    assert np.abs(together - exact).max() < 1e-5 * np.abs(exact).max()
+    alone = np.concatenate([block_tiles.linear(x[i : i + 1], NO_NORM, np.float32(1e-5), blocks.weight())
+                            for i in range(5)])
+    assert np.array_equal(alone, together)
+
+
+def test_projections_fused_from_different_types_share_one_layout_that_holds_them_all():
+    """A Q4_K_M file keeps q and k in Q4_K and v (in some layers) in Q6_K: fused into one q/k/v, they go into a
+    layout of bytes with a minimum and a scale per 16 weights, each weight unchanged."""
+    rng = np.random.default_rng(5)
+    parts = [block_tiles.Blocks.read(type("Tensor", (), {"name": "t", "tensor_type": kind, "data": quantize(
+        rng.standard_normal((16, 256)).astype(np.float32), kind)})) for kind in (Type.Q4_K, Type.Q6_K, Type.Q8_0)]
+    fused = block_tiles.Blocks.cat(parts)
+    assert fused.kind == "Q8_16M" and fused.source == "Q4_K+Q6_K+Q8_0"
+    assert torch.equal(fused.values(), torch.cat([p.values() for p in parts]))
+    assert block_tiles.Blocks.cat(parts[:1] * 2).kind == "Q4_1"
+    assert block_tiles.Blocks.cat([parts[0], parts[2]]).kind == "Q8_M"
 
 
 def llama_cpp_order(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -58,12 +100,14 @@ def llama_cpp_order(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_gguf(path, model, permute: bool, projections=Type.Q4_1, output=Type.Q8_0):
-    """The model's weights quantised into a GGUF laid out as llama.cpp writes one (q/k permuted for Llama)."""
+    """The model's weights quantised into a GGUF laid out as llama.cpp writes one (q/k permuted for Llama).
+    projections: a type, or a function of the tensor's name giving one."""
     writer = gguf.GGUFWriter(str(path), "llama")
     config = model.config
 
     def add(name, weight, kind):
-        writer.add_tensor(name, quants.quantize(weight.detach().float().numpy(), kind), raw_dtype=kind)
+        kind = kind(name) if callable(kind) else kind  # (a type per tensor, as llama-quantize's mixes give)
+        writer.add_tensor(name, quantize(weight.detach().float().numpy(), kind), raw_dtype=kind)
 
     add("token_embd.weight", model.model.embed_tokens.weight, output)
     add("output.weight", model.lm_head.weight, output)
@@ -138,8 +182,9 @@ def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for
 
 def test_gguf_weights_refuse_what_they_cannot_run(tmp_path):
     model = tiny_arch_model("llama", dtype=torch.float32)
-    unsupported = write_gguf(tmp_path / "q5.gguf", model, permute=True, projections=Type.Q5_0)
-    with pytest.raises(CodespecError, match="reads Q4_1 and Q8_0 blocks; blk.0.attn_q.weight is Q5_0"):
+    unsupported = write_gguf(tmp_path / "bf16.gguf", model, permute=True, projections=Type.BF16)
+    with pytest.raises(CodespecError, match="reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks; "
+                                            "blk.0.attn_q.weight is BF16"):
         forward_path(model, gguf=unsupported)
     path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
     with pytest.raises(CodespecError, match="CPUs in float32"):
@@ -163,6 +208,87 @@ def test_weights_auto_picks_the_blocks_only_where_they_run(tmp_path):
     assert auto_gguf(model, "transformers", path) is None
     assert auto_gguf(tiny_arch_model("llama", dtype=torch.float64), "lean", path) is None
     assert auto_gguf(tiny_arch_model("gemma3", dtype=torch.float32), "lean", path) is None
-    q5 = write_gguf(tmp_path / "q5.gguf", model, permute=True, projections=Type.Q5_0)
-    assert block_tiles.unreadable(q5) == "blk.0.attn_q.weight is Q5_0"
-    assert auto_gguf(model, "lean", q5) is None
+    bf16 = write_gguf(tmp_path / "bf16.gguf", model, permute=True, projections=Type.BF16)
+    assert block_tiles.unreadable(bf16) == "blk.0.attn_q.weight is BF16"
+    assert auto_gguf(model, "lean", bf16) is None
+
+
+def k_quant_model(kind: str):
+    """A tiny random model wide enough for the K-quants' 256-weight super-blocks (hidden 256, 4 heads of 64)."""
+    import transformers
+
+    from tests.tiny import VOCAB, tiny_config
+
+    shape = {**tiny_config(VOCAB, 512), "hidden_size": 256, "intermediate_size": 512}
+    config = transformers.Qwen2Config(**shape) if kind == "qwen2" else transformers.LlamaConfig(**shape)
+    torch.manual_seed(0)
+    model = (transformers.Qwen2ForCausalLM if kind == "qwen2" else transformers.LlamaForCausalLM)(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5)
+    return model.float().eval()
+
+
+def q4_k_m(name: str) -> Type:
+    """llama-quantize's Q4_K_M mix, in small: Q4_K, with v and down in Q6_K in every other layer."""
+    return Type.Q6_K if any(f"blk.{i}.{part}" in name for i in (0,) for part in ("attn_v", "ffn_down")) else Type.Q4_K
+
+
+@pytest.mark.parametrize("projections", [Type.Q4_0, Type.Q5_0, Type.Q5_1, Type.Q4_K, Type.Q5_K, Type.Q6_K, q4_k_m],
+                         ids=lambda p: getattr(p, "name", None) or p.__name__)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_model_in_every_file_type_runs_the_blocks_and_verifies_bit_for_bit(tmp_path, kind, projections):
+    """A model whose file holds each type (and Q4_K_M's mix of Q4_K and Q6_K, fused into one q/k/v): the model takes
+    the file's values, the tiles read its blocks, and a verify forward gives each row the bits of decoding it
+    alone, as on the default model's Q4_1."""
+    model = k_quant_model(kind)
+    path = write_gguf(tmp_path / "tiny.gguf", model, permute=kind == "llama", projections=projections,
+                      output=Type.Q6_K)
+    lean = forward_path(model, gguf=path, activations="float32")
+    assert lean.plan.weights == "gguf blocks"
+    down = gguf.GGUFReader(str(path)).get_tensor(8)  # blk.0.ffn_down: not reordered
+    assert down.name == "blk.0.ffn_down.weight"
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight,
+                       torch.from_numpy(quants.dequantize(down.data, down.tensor_type)))
+    prompt, draft = [5, 17, 3, 99, 42, 7, 8, 9], [11, 12, 13, 14, 15, 16]
+    verify, decode, plain = lean.new_cache(), lean.new_cache(), lean.new_cache()
+    lean(verify, prompt, 1)
+    lean(decode, prompt, 1)
+    together = lean(verify, draft, len(draft))
+    alone = torch.cat([lean(decode, [token], 1) for token in draft])
+    assert torch.equal(together, alone)
+    blocks, lean.kernel_weights = lean.kernel_weights, None
+    lean(plain, prompt, 1)
+    in_pytorch = lean(plain, draft, len(draft))  # the same weights in PyTorch's float32 path
+    lean.kernel_weights = blocks
+    assert (in_pytorch - together).abs().max().item() < 1e-3 * max(1.0, together.abs().max().item())
+
+
+def test_q8_activations_take_only_the_files_whose_blocks_they_can_hold(tmp_path, monkeypatch):
+    """The q8 tiles keep float16 scales in two layouts: a file of another type, a q/k/v fused from 4- and 8-bit
+    blocks, or q's scales times 1/sqrt(head_dim) below float16's normal range (the default model requantized to
+    Q8_0: `the scales are not float16 values`, an internal error) runs float32 activations under auto, and an
+    explicit --activations q8 is one line. (The plan only: the q8 kernels themselves need AVX512-VNNI.)"""
+    from codespec.forward import plan as plans
+
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    scale = 1 / 16 ** 0.5
+    fine = write_gguf(tmp_path / "q4_1.gguf", model, permute=True)
+    assert block_tiles.q8_problem(fine, scale) is None
+    assert block_tiles.q8_problem(write_gguf(tmp_path / "q4_0.gguf", model, True, Type.Q4_0), scale) is None
+    k = write_gguf(tmp_path / "k.gguf", k_quant_model("llama"), True, Type.Q4_K)
+    assert block_tiles.q8_problem(k, scale).startswith("blk.0.attn_q.weight is Q4_K (the q8 tiles take")
+    mixed = write_gguf(tmp_path / "mixed.gguf", model, True, lambda name: Type.Q8_0 if "attn_v" in name else Type.Q4_1)
+    assert block_tiles.q8_problem(mixed, scale) == "attn_q/attn_k/attn_v of blk.0 mix 4- and 8-bit blocks"
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(1e-4)  # Q8_0 scales near 1e-5: times 1/4, subnormal in float16
+    tiny = write_gguf(tmp_path / "tiny_q.gguf", model, True, Type.Q8_0)
+    assert block_tiles.q8_problem(tiny, scale) == ("blk.0.attn_q.weight's scales times 1/sqrt(head_dim) are not "
+                                                   "float16 values")
+    monkeypatch.setattr(plans.q8_tiles, "available", lambda: True)  # as on a CPU with AVX512-VNNI
+    assert plans.q8_activations("auto", fine, 16) and not plans.q8_activations("auto", tiny, 16)
+    assert not plans.q8_activations("float32", fine, 16)
+    with pytest.raises(CodespecError, match="--activations q8 cannot take tiny_q.gguf: blk.0.attn_q.weight's scales"):
+        plans.q8_activations("q8", tiny, 16)

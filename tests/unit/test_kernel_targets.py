@@ -17,8 +17,8 @@ MODULES = {
     "silu": lambda: layers.SILU_IR,
     "cache attention": lambda: attention_tiles.source(64, q8=False)[0],
     "q8 cache attention": lambda: attention_tiles.source(64, q8=True)[0],
-    "float block tiles": lambda: block_tiles.source("Q4_1", block_tiles.tile_rows(False))[0]
-    + block_tiles.source("Q8_0", block_tiles.tile_rows(False))[0].split("\n", 1)[1],
+    "float block tiles": lambda: block_tiles.FMA_DECLARATION + "".join(  # every layout's
+        block_tiles.source(kind, block_tiles.tile_rows(False))[0].split("\n", 1)[1] for kind in block_tiles.KINDS),
     "four-row block tiles": lambda: block_tiles.source("Q4_1", [4, 3])[0],
     "q8 block tiles": lambda: q8_tiles.source("Q4_1")[0],
     "prompt attention": lambda: prompt_attention.source(64),

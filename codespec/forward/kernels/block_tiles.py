@@ -8,8 +8,16 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
 - **The blocks as they are.** Q4_1 keeps 32 weights as 4-bit q with a float16 scale d and minimum m
   (w = q * d + m), Q8_0 as signed 8-bit q with a scale (w = q * d). The projections keep q as the file has it
   (66 MB for the default model's layers, against 212 MB as 16 bits); d and m are widened to float32.
+- **Every type people download** (FORMATS): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what
+  Q4_K_M, Q5_K_M and Q6_K files hold) are read into five tile layouts (KINDS), each weight exactly the value
+  llama.cpp's dequantisation gives: 4-bit nibbles with a minimum (Q4_0 with m = -8 d; Q4_K with each 32-weight
+  sub-block's scale d * sc and minimum -dmin * m, exact float32 products), or bytes (Q5_* and Q5_K's five bits,
+  Q6_K's six less 32 with a scale per 16 weights, Q8_0). A fused q/k/v or gate/up whose parts differ (Q4_K_M
+  keeps some v and down projections in Q6_K) takes the one layout that holds them all. The 5- and 6-bit types
+  read a byte a weight: more than the file's 5.5-6.6 bits, fewer than 16.
 - **Or activations rounded to 8 bits** (--activations q8, the default on CPUs with AVX512-VNNI): q8_tiles.py repacks
-  these blocks for its integer kernels; the float tiles below are then not built.
+  the Q4_0, Q4_1, Q5_0 and Q8_0 blocks for its integer kernels (q8_problem says which files it takes); the float
+  tiles below are then not built.
 - **The float32 weights are the same numbers.** The model's float32 parameters are overwritten with the
   dequantised blocks (each q * d + m rounded once, as the kernel's fused multiply-add rounds it), so forwards over
   more rows (prompts, long verifies in PyTorch) and the kernel multiply by the same weights. A q/k scale that is
@@ -30,6 +38,7 @@ several rows.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba
@@ -42,7 +51,25 @@ from .ir import FMA, FMA_DECLARATION, VECTOR
 from .native import call, compile_ir
 from ...errors import CodespecError
 
-KINDS = {"Q4_1": (16, True), "Q8_0": (32, False)}  # bytes of q per 32-weight block, whether it has a minimum
+
+@dataclass(frozen=True)
+class Layout:
+    """How the tiles read a block of 32 weights: q as 4-bit nibbles (16 bytes: byte i holds weight i low and weight
+    16 + i high) or signed bytes (32), w = q * d (+ m where it has a minimum), with one d (and m) per block or one
+    per 16 weights."""
+    q_bytes: int
+    minimum: bool
+    scales: int = 1  # scales (and minimums) per block: 1, or 2 (one per 16 weights)
+
+
+# The tiles' layouts, named after the llama.cpp block each extends; the GGUF types each reads (FORMATS) are below.
+KINDS = {
+    "Q4_1": Layout(16, True),  # Q4_1; Q4_0 (m = -8 d); Q4_K (d and m its sub-block's scale and minimum)
+    "Q8_0": Layout(32, False),  # Q8_0; Q5_0 (its 5 bits less 16)
+    "Q8_M": Layout(32, True),  # Q5_1 and Q5_K: 5 bits as bytes, with a minimum
+    "Q8_16": Layout(32, False, 2),  # Q6_K: 6 bits less 32 as bytes, a scale per 16 weights
+    "Q8_16M": Layout(32, True, 2),  # q/k/v or gate/up fused from Q6_K and a type with a minimum (Q4_K_M files)
+}
 
 
 def tile_rows(wide_registers: bool) -> np.ndarray:
@@ -84,27 +111,31 @@ def _sum(name: str, a: str, b: str) -> str:
 
 
 def _block(kind: str, rows: int) -> str:
-    """One block of 32 weights (block %b) into the sums %a{j}_s{h}: w = q * d + m as two halves of 16
+    """One block of 32 weights (block %b) into the sums %a{j}_s{h}: w = q * d (+ m) as two halves of 16
     lanes, then for each row j: a += w * x (one fused multiply-add per half)."""
-    block, minimum = KINDS[kind]
-    text = f"  %qbb = mul i64 %b, {block}\n  %qpb = getelementptr i8, ptr %q0, i64 %qbb\n"
-    if minimum:  # Q4_1: byte i holds weight i (low nibble) and weight 16 + i (high nibble)
+    layout = KINDS[kind]
+    text = f"  %qbb = mul i64 %b, {layout.q_bytes}\n  %qpb = getelementptr i8, ptr %q0, i64 %qbb\n"
+    if layout.q_bytes == 16:  # byte i holds weight i (low nibble) and weight 16 + i (high nibble)
         text += (f"  %qvb = load <16 x i8>, ptr %qpb, align 1\n  %qwb = zext <16 x i8> %qvb to <16 x i32>\n"
                  f"  %lob = and <16 x i32> %qwb, splat (i32 15)\n  %hib = lshr <16 x i32> %qwb, splat (i32 4)\n"
                  f"  %qb0 = uitofp <16 x i32> %lob to {VECTOR}\n  %qb1 = uitofp <16 x i32> %hib to {VECTOR}\n")
-    else:  # Q8_0: 32 signed bytes
+    else:  # 32 signed bytes
         text += (f"  %qvb = load <32 x i8>, ptr %qpb, align 1\n  %qwb = sext <32 x i8> %qvb to <32 x i32>\n"
                  f"  %qfb = sitofp <32 x i32> %qwb to <32 x float>\n"
                  f"  %qb0 = shufflevector <32 x float> %qfb, <32 x float> poison, <16 x i32> <{_lanes(0, 16)}>\n"
                  f"  %qb1 = shufflevector <32 x float> %qfb, <32 x float> poison, <16 x i32> <{_lanes(16, 32)}>\n")
-    text += f"  %dpb = getelementptr float, ptr %d0, i64 %b\n  %dbb = load float, ptr %dpb, align 4\n"
-    text += _splat(f"dvb", f"%dbb")
-    if minimum:
-        text += f"  %mpb = getelementptr float, ptr %m0, i64 %b\n  %mbb = load float, ptr %mpb, align 4\n"
-        text += _splat(f"mvb", f"%mbb")
+    for h in range(layout.scales):  # scale (and minimum) s of the block: index b * scales + s
+        text += f"  %sib{h} = mul i64 %b, {layout.scales}\n  %si{h}b = add i64 %sib{h}, {h}\n"
+        text += f"  %dp{h}b = getelementptr float, ptr %d0, i64 %si{h}b\n  %db{h}b = load float, ptr %dp{h}b, align 4\n"
+        text += _splat(f"dv{h}b", f"%db{h}b")
+        if layout.minimum:
+            text += (f"  %mp{h}b = getelementptr float, ptr %m0, i64 %si{h}b\n"
+                     f"  %mb{h}b = load float, ptr %mp{h}b, align 4\n")
+            text += _splat(f"mv{h}b", f"%mb{h}b")
     for h in (0, 1):
-        text += (f"  %wb{h} = call {VECTOR} {FMA}({VECTOR} %qb{h}, {VECTOR} %dvb, {VECTOR} %mvb)\n"
-                 if minimum else f"  %wb{h} = fmul {VECTOR} %qb{h}, %dvb\n")
+        s = h if layout.scales == 2 else 0
+        text += (f"  %wb{h} = call {VECTOR} {FMA}({VECTOR} %qb{h}, {VECTOR} %dv{s}b, {VECTOR} %mv{s}b)\n"
+                 if layout.minimum else f"  %wb{h} = fmul {VECTOR} %qb{h}, %dv{s}b\n")
     text += f"  %xbb = mul i64 %b, 32\n"
     for j in range(rows):
         for h in (0, 1):
@@ -118,14 +149,15 @@ def _block(kind: str, rows: int) -> str:
 
 def tile_ir(name: str, kind: str, rows: int) -> str:
     """LLVM IR of @name(x, K, q, d, m, n, N, out, r): out[r + j, n] = x[r + j] . w[n] for `rows` rows j, where
-    w's rows are blocks of `kind` (q: [N, K / 32 * bytes], d and m: [N, K / 32] float32). Each row sums into
+    w's rows are blocks of `kind` (q: [N, K / 32 * bytes], d and m: [N, K / 32 * scales] float32). Each row sums into
     two 16-lane sums, added and halved down to one at the end in a fixed order. (Measured: two columns a tile,
     or four sums a row for blocks in pairs, were no faster.)"""
-    block, _ = KINDS[kind]
+    layout = KINDS[kind]
     text = (f"define void @{name}(ptr noalias %x, i64 %K, ptr noalias %q, ptr noalias %d, ptr noalias %m, i64 %n, "
             f"i64 %N, ptr noalias %out, i64 %r) {{\nentry:\n  %blocks = udiv i64 %K, 32\n"
-            f"  %row_bytes = mul i64 %blocks, {block}\n  %qo = mul i64 %n, %row_bytes\n"
-            f"  %q0 = getelementptr i8, ptr %q, i64 %qo\n  %so = mul i64 %n, %blocks\n"
+            f"  %row_bytes = mul i64 %blocks, {layout.q_bytes}\n  %qo = mul i64 %n, %row_bytes\n"
+            f"  %q0 = getelementptr i8, ptr %q, i64 %qo\n  %sn = mul i64 %n, %blocks\n"
+            f"  %so = mul i64 %sn, {layout.scales}\n"
             f"  %d0 = getelementptr float, ptr %d, i64 %so\n  %m0 = getelementptr float, ptr %m, i64 %so\n")
     for j in range(rows):
         text += (f"  %r{j} = add i64 %r, {j}\n  %xo{j} = mul i64 %r{j}, %K\n"
@@ -197,56 +229,178 @@ def linear(x, norm, eps, weight):
     return out
 
 
-class Blocks:
-    """One GGUF tensor's blocks, row by row: q [N, K / 32 * bytes] (uint8), d and m [N, K / 32] (float32)."""
+QK_K = 256  # weights in a K-quant super-block
 
-    def __init__(self, kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray):
-        self.kind, self.q, self.d, self.m = kind, q, d, m
+
+def _halves(raw: np.ndarray, offset: int) -> np.ndarray:
+    """float16 values stored at byte `offset` of each block, widened to float32: [N, blocks]."""
+    return raw[:, :, offset : offset + 2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """llama.cpp's 4-bit order (byte i: weight i in the low nibble, weight 16 + i in the high), [..., 16] -> [..., 32]."""
+    return np.concatenate([packed & 15, packed >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1's fifth bits: a little-endian uint32 per block, bit i for weight i, [..., 4] -> [..., 32]."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's eight 6-bit sub-block scales and minimums, packed in 12 bytes: [N, S, 12] -> 2 x [N, S, 8]."""
+    d, m, both = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 63, (both & 15) | ((d >> 2) & 48)], axis=-1)
+    mn = np.concatenate([m & 63, (both >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc, mn
+
+
+def _k_quant(raw: np.ndarray, q: np.ndarray, scale: int = 4) -> tuple:
+    """Q4_K / Q5_K: q [N, S, 8, 32] (the super-block's eight sub-blocks of 32) and the super-block's float16 d and
+    dmin at bytes 0 and 2, the sub-block scales and minimums at byte 4: w = (d sc) q - dmin mn, both products
+    exact in float32 (11 bits times 6), so one rounding as llama.cpp's."""
+    sc, mn = _k_scales(raw[:, :, scale : scale + 12])
+    d, dmin = _halves(raw, 0), _halves(raw, 2)
+    n = raw.shape[0]
+    return (q.reshape(n, -1, 32), (d[..., None] * sc).reshape(n, -1, 1), -(dmin[..., None] * mn).reshape(n, -1, 1))
+
+
+def _q4_k(raw):
+    """Q4_K, 144 bytes per 256 weights: d, dmin, 12 bytes of scales, then 128 bytes where each 32 bytes hold two
+    sub-blocks (the low nibbles one, the high nibbles the next)."""
+    qs = raw[:, :, 16:].reshape(raw.shape[0], raw.shape[1], 4, 1, 32)
+    return _k_quant(raw, np.concatenate([qs & 15, qs >> 4], axis=3))
+
+
+def _q5_k(raw):
+    """Q5_K, 176 bytes per 256 weights: as Q4_K, with 32 bytes of fifth bits (bit s of byte i: sub-block s's
+    weight i) before the nibbles."""
+    n, s = raw.shape[:2]
+    qs = raw[:, :, 48:].reshape(n, s, 4, 1, 32)
+    low = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, s, 8, 32)
+    high = (raw[:, :, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
+    return _k_quant(raw, low | (high << 4))
+
+
+def _q6_k(raw):
+    """Q6_K, 210 bytes per 256 weights: 128 bytes of low nibbles, 64 of two high bits each, 16 signed 8-bit
+    scales (one per 16 weights), d: w = (d sc) (q - 32), one rounding as llama.cpp's."""
+    n, s = raw.shape[:2]
+    ql = raw[:, :, :128].reshape(n, s, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = raw[:, :, 128:192].reshape(n, s, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = ((ql & 15).reshape(n, s, 8, 32) | ((qh & 3).reshape(n, s, 8, 32) << 4)).astype(np.int16) - 32
+    scales = raw[:, :, 192:208].view(np.int8).astype(np.float32)
+    return q.reshape(n, -1, 32), (_halves(raw, 208)[..., None] * scales).reshape(n, -1, 2), None
+
+
+# Each GGUF type the tiles read: its block (weights, bytes), the layout it runs in, and how a tensor's raw blocks
+# [N, blocks, bytes] become q [N, blocks of 32, 32] (integers), d and m [N, blocks of 32, scales] (float32; m None
+# where it has none).
+FORMATS = {
+    "Q4_0": (32, 18, "Q4_1", lambda r: (_nibbles(r[:, :, 2:]), _halves(r, 0)[..., None], -8 * _halves(r, 0)[..., None])),
+    "Q4_1": (32, 20, "Q4_1", lambda r: (_nibbles(r[:, :, 4:]), _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
+    "Q5_0": (32, 22, "Q8_0", lambda r: ((_nibbles(r[:, :, 6:]) | (_high_bits(r[:, :, 2:6]) << 4)).astype(np.int16)
+                                        - 16, _halves(r, 0)[..., None], None)),
+    "Q5_1": (32, 24, "Q8_M", lambda r: (_nibbles(r[:, :, 8:]) | (_high_bits(r[:, :, 4:8]) << 4),
+                                        _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
+    "Q8_0": (32, 34, "Q8_0", lambda r: (r[:, :, 2:].view(np.int8), _halves(r, 0)[..., None], None)),
+    "Q4_K": (QK_K, 144, "Q4_1", _q4_k),
+    "Q5_K": (QK_K, 176, "Q8_M", _q5_k),
+    "Q6_K": (QK_K, 210, "Q8_16", _q6_k),
+}
+
+
+def _common(layouts: set) -> str:
+    """The one layout that holds blocks of all `layouts` exactly (the fused q/k/v and gate/up of a file whose
+    projections mix types, as Q4_K_M files do): bytes, with a minimum where one has it, two scales where one does."""
+    if len(layouts) == 1:
+        return next(iter(layouts))
+    minimum = any(KINDS[kind].minimum for kind in layouts)
+    if any(KINDS[kind].scales == 2 for kind in layouts):
+        return "Q8_16M" if minimum else "Q8_16"
+    return "Q8_M" if minimum else "Q8_0"
+
+
+class Blocks:
+    """One GGUF tensor's blocks in a tile layout (KINDS), row by row: q [N, K / 32 * bytes] (uint8), d and m
+    [N, K / 32 * scales] (float32; m zeros where the layout has none). `source`: the GGUF type they came from."""
+
+    def __init__(self, kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, source: str = ""):
+        self.kind, self.q, self.d, self.m, self.source = kind, q, d, m, source or kind
 
     @classmethod
     def read(cls, tensor) -> "Blocks":
-        kind = tensor.tensor_type.name
-        if kind not in KINDS:
-            raise CodespecError(f"--weights gguf reads Q4_1 and Q8_0 blocks; {tensor.name} is {kind}")
-        block, minimum = KINDS[kind]
-        raw = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, block + (4 if minimum else 2))
-        d = raw[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        m = (raw[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32) if minimum
-             else np.zeros_like(d))
-        q = np.ascontiguousarray(raw[:, :, 4 if minimum else 2 :]).reshape(raw.shape[0], -1)
-        return cls(kind, q, d, m)
+        source = tensor.tensor_type.name
+        if source not in FORMATS:
+            raise CodespecError(f"--weights gguf reads {', '.join(FORMATS)} blocks; {tensor.name} is {source}")
+        weights, size, kind, decode = FORMATS[source]
+        raw = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, size)
+        q, d, m = decode(raw)
+        return cls.of(kind, q, d, m, source)
+
+    @classmethod
+    def of(cls, kind: str, q: np.ndarray, d: np.ndarray, m, source: str = "") -> "Blocks":
+        """Blocks of layout `kind` from integers q [N, B, 32] and d, m [N, B, scales] (m None: zeros)."""
+        layout = KINDS[kind]
+        n, blocks = q.shape[:2]
+        if d.shape[2] != layout.scales:  # one scale a block, repeated for both halves
+            d = np.repeat(d, layout.scales, axis=2)
+            m = None if m is None else np.repeat(m, layout.scales, axis=2)
+        m = np.zeros_like(d) if m is None else m
+        if layout.q_bytes == 16:
+            packed = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+        else:
+            packed = q.astype(np.int8).view(np.uint8)
+        return cls(kind, np.ascontiguousarray(packed.reshape(n, -1)), np.ascontiguousarray(d.reshape(n, -1), np.float32),
+                   np.ascontiguousarray(m.reshape(n, -1), np.float32), source)
+
+    def integers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q [N, B, 32] (int16), d and m [N, B, scales]: what `of` takes."""
+        layout = KINDS[self.kind]
+        n = self.q.shape[0]
+        if layout.q_bytes == 16:
+            q = _nibbles(self.q.reshape(n, -1, 16)).astype(np.int16)
+        else:
+            q = self.q.view(np.int8).reshape(n, -1, 32).astype(np.int16)
+        blocks = q.shape[1]
+        return q, self.d.reshape(n, blocks, layout.scales), self.m.reshape(n, blocks, layout.scales)
 
     def nbytes(self, q8: bool = False) -> int:
-        """What the kernel reads of these blocks: the float tiles' float32 scales (and Q4_1's minimums), or q8's
+        """What the kernel reads of these blocks: the float tiles' float32 scales (and minimums), or q8's
         float16 scale and minimum."""
         if q8:
             return self.q.nbytes + self.d.size * 4
-        return self.q.nbytes + self.d.nbytes + (self.m.nbytes if KINDS[self.kind][1] else 0)
+        return self.q.nbytes + self.d.nbytes + (self.m.nbytes if KINDS[self.kind].minimum else 0)
 
     def rows(self, index) -> "Blocks":
-        return Blocks(self.kind, self.q[index], self.d[index], self.m[index])
+        return Blocks(self.kind, self.q[index], self.d[index], self.m[index], self.source)
 
     def scaled(self, scale: float) -> "Blocks":
         """The same blocks times `scale` (a power of two keeps every weight exact)."""
         return Blocks(self.kind, self.q, (self.d.astype(np.float64) * scale).astype(np.float32),
-                      (self.m.astype(np.float64) * scale).astype(np.float32))
+                      (self.m.astype(np.float64) * scale).astype(np.float32), self.source)
+
+    def as_kind(self, kind: str) -> "Blocks":
+        """The same weights in layout `kind` (one that holds them: _common)."""
+        return self if kind == self.kind else Blocks.of(kind, *self.integers(), self.source)
 
     @staticmethod
     def cat(parts: list["Blocks"]) -> "Blocks":
-        if len({p.kind for p in parts}) != 1:
-            raise CodespecError("--weights gguf: the projections fused into one (q/k/v, gate/up) mix Q4_1 and Q8_0")
-        return Blocks(parts[0].kind, *(np.concatenate([getattr(p, a) for p in parts]) for a in "qdm"))
+        """Blocks of the same inputs, their rows one after another, in the one layout that holds them all."""
+        kind = _common({p.kind for p in parts})
+        parts = [p.as_kind(kind) for p in parts]
+        sources = "+".join(dict.fromkeys(p.source for p in parts))
+        return Blocks(kind, *(np.concatenate([getattr(p, a) for p in parts]) for a in "qdm"), sources)
 
     def values(self) -> torch.Tensor:
-        """The weights [N, K] in float32, each q * d + m rounded once as the kernel's fused multiply-add rounds it:
-        q * d is exact in float32 (a float16 scale times at most 8 bits), so adding m is the only rounding."""
-        n, blocks = self.d.shape
-        if KINDS[self.kind][1]:
-            q = np.concatenate([self.q.reshape(n, blocks, 16) & 15, self.q.reshape(n, blocks, 16) >> 4], axis=2)
-        else:
-            q = self.q.view(np.int8).reshape(n, blocks, 32)
-        w = q.astype(np.float32) * self.d[:, :, None]
-        w += self.m[:, :, None]
+        """The weights [N, K] in float32, each q * d (+ m) rounded once as the kernel's fused multiply-add rounds it:
+        q * d is exact in float32 (a float16 scale, or one times a sub-block's 6 or 8-bit scale, times at most
+        8 bits), so adding m is the only rounding."""
+        q, d, m = self.integers()
+        n, blocks, scales = d.shape
+        w = (q.reshape(n, blocks, scales, 32 // scales).astype(np.float32) * d[..., None])
+        if KINDS[self.kind].minimum:
+            w += m[..., None]
         return torch.from_numpy(w.reshape(n, blocks * 32))
 
     def weight(self, q8: bool = False) -> tuple:
@@ -300,13 +454,43 @@ def unreadable(path: Path) -> str | None:
 
 def _unsupported(tensors) -> str | None:
     for tensor in tensors:
-        if tensor.name.endswith(".weight") and len(tensor.shape) == 2 and tensor.tensor_type.name not in KINDS:
+        if tensor.name.endswith(".weight") and len(tensor.shape) == 2 and tensor.tensor_type.name not in FORMATS:
             return f"{tensor.name} is {tensor.tensor_type.name}"
     return None
 
 
+Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # the types whose layout (Q4_1, Q8_0) and float16 scales q8_tiles takes
+FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # the projections the forward fuses into one
+
+
+def q8_problem(path: Path, q_scale: float) -> str | None:
+    """Why q8_tiles cannot take `path`'s blocks, or None. It takes the types of Q8_TYPES, each fused projection
+    all in one layout, with every scale (and minimum) a float16 value: q's scales times `q_scale` (the forward's
+    1/sqrt(head_dim), folded into them) too, which fails where a scale is so small that the product is a subnormal
+    float16 (a Q8_0 file of the default model did)."""
+    tensors = {t.name: t for t in _reader(path).tensors}
+    for name, tensor in tensors.items():
+        kind = tensor.tensor_type.name
+        if name.endswith(".weight") and len(tensor.shape) == 2 and kind not in Q8_TYPES:
+            return f"{name} is {kind} (the q8 tiles take {', '.join(Q8_TYPES)})"
+    for name, tensor in tensors.items():
+        parts = next((group for group in FUSED if any(f".{part}." in name for part in group)), ())
+        prefix = name.split(".")[:2]
+        layouts = {FORMATS[tensors[t].tensor_type.name][2] for t in
+                   (".".join(prefix + [part, "weight"]) for part in parts) if t in tensors}
+        if len(layouts) > 1:
+            return f"{'/'.join(parts)} of {'.'.join(prefix)} mix 4- and 8-bit blocks"
+        if ".attn_q." in name and name.endswith(".weight"):
+            raw = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, FORMATS[tensor.tensor_type.name][1])
+            offsets = (0, 2) if tensor.tensor_type.name == "Q4_1" else (0,)  # d (and Q4_1's m)
+            d = np.stack([_halves(raw, offset) for offset in offsets]).astype(np.float64) * q_scale
+            if not np.array_equal(d.astype(np.float16).astype(np.float64), d):
+                return f"{name}'s scales times 1/sqrt(head_dim) are not float16 values"
+    return None
+
+
 def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
-    """Read the Q4_1 / Q8_0 blocks of `path` (the GGUF `model` was converted from), overwrite the model's float32
+    """Read the blocks of `path` (the GGUF `model` was converted from), overwrite the model's float32
     weights with their values, and return the blocks the lean forward needs, its rows in its own order (q and
     k heads with rows reordered by `order`, q's times `scale`): {"layers": [qkv, o, gate_up, down] per layer,
     "head": the output layer}."""
@@ -315,7 +499,7 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
     except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
         raise CodespecError(f"--weights gguf: cannot read {path}: {exc}") from None
     if problem := _unsupported(reader.tensors):  # before any weight is overwritten
-        raise CodespecError(f"--weights gguf reads Q4_1 and Q8_0 blocks; {problem}")
+        raise CodespecError(f"--weights gguf reads {', '.join(FORMATS)} blocks; {problem}")
     tensors = {t.name: t for t in reader.tensors}
     config, inner = model.config, model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
