@@ -137,6 +137,16 @@ class Engine:
                    invariant=model_config.invariant)
         return engine
 
+    @functools.cached_property
+    def transformers_model(self):
+        """The model for transformers' own forward (the bench's transformers rows): the model, or for one read directly
+        from its GGUF (its weights placeholders) a float32 copy with the file's values (gguf_model.materialized)."""
+        if getattr(self.model, "gguf_direct", None) is None:
+            return self.model
+        from .forward.gguf_model import materialized
+
+        return materialized(self.model)
+
     @property
     def context_length(self) -> int:
         """Tokens of context: the model's own, or fewer (--ctx-size)."""

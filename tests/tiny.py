@@ -53,6 +53,9 @@ def tiny_model(seed: int = 0, context: int = 512, dtype=torch.float64, vocab: in
         for module in model.modules():  # transformers starts biases at zero: make Qwen2's matter
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0.0, 0.5)
+        for name, parameter in model.named_parameters():  # and norms at one: make Qwen3's q/k norms matter
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.5, 1.5)
     return model.to(dtype).eval()
 
 
@@ -61,7 +64,8 @@ SLIDING_WINDOW = 16  # Gemma 3's local layers see this many tokens: less than ev
 
 
 def tiny_arch_model(kind: str, dtype=torch.float64, seed: int = 0, context: int = 512):
-    """A tiny random model of another architecture, shaped like tiny_model: Qwen2 (attention biases),
+    """A tiny random model of another architecture, shaped like tiny_model: Qwen2 (attention biases), Qwen3
+    (per-head q/k norms),
     Gemma 3 (sliding-window and global layers, its own norms and embedding scale) or LFM2 (short
     convolutions: recurrent state a cache cannot roll back)."""
     import transformers
@@ -71,6 +75,8 @@ def tiny_arch_model(kind: str, dtype=torch.float64, seed: int = 0, context: int 
     common = tiny_config(VOCAB, context)
     if kind == "qwen2":
         config = transformers.Qwen2Config(**common)
+    elif kind == "qwen3":  # per-head q/k norms; heads x head_dim (4 x 32) wider than the hidden size, as Qwen3's are
+        config = transformers.Qwen3Config(**common, head_dim=32)
     elif kind == "gemma3":
         config = transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=SLIDING_WINDOW,
                                                layer_types=["sliding_attention", "full_attention"])
@@ -85,6 +91,9 @@ def tiny_arch_model(kind: str, dtype=torch.float64, seed: int = 0, context: int 
         for module in model.modules():  # transformers starts biases at zero: make Qwen2's matter
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0.0, 0.5)
+        for name, parameter in model.named_parameters():  # and norms at one: make Qwen3's q/k norms matter
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.5, 1.5)
     return model.to(dtype).eval()
 
 

@@ -135,8 +135,8 @@ def run(args) -> int:
         if engine.gguf is not None:  # its weights are the GGUF's values now: the other rows need the checkpoint's
             from ..forward.models import load
 
-            base, _ = load(ModelConfig(**{name: getattr(args, name) for name in ("model", "device", "dtype")
-                                          if getattr(args, name) is not None}), show_progress=False)
+            base, _ = load(ModelConfig(weights="checkpoint", **{name: getattr(args, name) for name in (
+                "model", "device", "dtype") if getattr(args, name) is not None}), show_progress=False)
         from ..forward import q8_available
 
         with tqdm(total=(6 + q8_available() if source else 5), desc="forward costs", unit="step") as progress:

@@ -143,7 +143,7 @@ def format_forward_costs(data: dict) -> str:
         lines.append(f"lean float32 runs forwards up to k={data['reads_16_bits_up_to']} in numba, reading its "
                      "bfloat16-valued weights as 16 bits (its floor is for those); PyTorch over 32 bits beyond")
     if any(row["path"] == "lean, --weights gguf" for row in data["rows"]):
-        lines.append("lean, --weights gguf reads the GGUF's Q4_1/Q8_0 blocks in numba up to the same k (its floor is "
+        lines.append("lean, --weights gguf reads the GGUF's blocks in numba up to the same k (its floor is "
                      "for those), PyTorch over their values as float32 beyond")
     if any(row["path"] == "gguf, q8 activations" for row in data["rows"]):
         lines.append("gguf, q8 activations (the default on CPUs with AVX512-VNNI) runs every k in numba: the blocks "

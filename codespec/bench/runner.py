@@ -113,7 +113,7 @@ def run_workload(engine: Engine, workload: Workload, config: Config, max_tokens:
             inputs = torch.tensor([prompt], device=engine.model.device)
             clock = FirstTokenClock()
             started = time.perf_counter()
-            out = engine.model.generate(inputs, max_new_tokens=max_tokens, do_sample=False, streamer=clock,
+            out = engine.transformers_model.generate(inputs, max_new_tokens=max_tokens, do_sample=False, streamer=clock,
                                         eos_token_id=sorted(engine.eos_token_ids),
                                         pad_token_id=min(engine.eos_token_ids), **config.hf_options)
             total.seconds += time.perf_counter() - started

@@ -59,8 +59,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "default model); on GPUs each session's cache has this fixed size")
     parser.add_argument("--weights", choices=WEIGHTS_CHOICES,
                         help="auto (default: gguf where it runs, else checkpoint), checkpoint (the converted model, "
-                             "bfloat16 values in float32) or gguf (the GGUF's own Q4_1/Q8_0 blocks, as llama-server "
-                             "reads them: CPU, float32, lean forward)")
+                             "bfloat16 values in float32) or gguf (the GGUF's own blocks, as llama-server reads them: "
+                             "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; CPU, float32, lean forward; with "
+                             "--invariant on, the default, the file is read directly, no conversion)")
     parser.add_argument("--prompt-precision", choices=PROMPT_PRECISION_CHOICES,
                         help="how prompt chunks of more than 16 tokens are multiplied on a CPU in float32: auto "
                              "(default: bfloat16 where it measures faster), float32, or bfloat16 (inputs and weights "

@@ -297,6 +297,9 @@ class GraphLlama:
             h = F.rms_norm(x, (hidden,), norm1, lean.eps)
             qkv = F.linear(h, qkv_w, lean.biases[layer])  # [count, (heads + 2 kv_heads) dim]
             qk = qkv[:, : (heads + kv_heads) * dim].reshape(count, heads + kv_heads, dim // 2, 2)
+            if lean.qk_norms[layer] is not None:  # (Qwen3's per-head norms)
+                qk = (F.rms_norm(qk.reshape(count, heads + kv_heads, dim), (dim,), None, lean.eps)
+                      * lean.qk_norms[layer]).reshape(count, heads + kv_heads, dim // 2, 2)
             turned = torch.view_as_complex(qk.float() if qk.dtype != torch.float64 else qk) * rotary
             qk = torch.view_as_real(turned).to(qkv.dtype).flatten(2)  # [count, heads + kv_heads, dim]
             v = qkv[:, (heads + kv_heads) * dim :].view(count, kv_heads, dim)

@@ -46,6 +46,15 @@ from .projections import Linear, bfloat16_weight, project
 from .rows import Rows, StaticCache
 
 
+def qk_norm(attn, heads: int, kv_heads: int, order: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
+    """Qwen3's per-head q and k norm weights, one row per q head (times `scale`) then per k head, each reordered by
+    `order` as the heads' rows are: [heads + kv_heads, head_dim]; None for a model without them."""
+    if getattr(attn, "q_norm", None) is None:
+        return None
+    q, k = attn.q_norm.weight.detach()[order] * scale, attn.k_norm.weight.detach()[order]
+    return torch.cat([q.expand(heads, -1), k.expand(kv_heads, -1)]).contiguous()
+
+
 def reordered_qkv(attn, heads: int, kv_heads: int, head_dim: int, order: torch.Tensor, scale: float, bias: bool):
     """The q, k and v projections as one: the weights (or with bias=True their biases) of q and k with each head's
     rows reordered by `order`, and q's scaled by `scale`."""
@@ -83,20 +92,32 @@ class LeanLlama:
         # q.k are unchanged because q and k are reordered alike. The 1/sqrt(head_dim) scale goes into W_q.
         order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
         scale = 1.0 / math.sqrt(self.head_dim)
+        # Qwen3 normalises each q and k head (RMSNorm over head_dim) before the rotation: the scale goes into the q
+        # norm's weights instead, since a norm undoes any scale of its input
+        self.qk_norms = [qk_norm(layer.self_attn, self.heads, self.kv_heads, order, scale)
+                         for layer in model.model.layers]
+        if self.qk_norms[0] is not None:
+            scale = 1.0
         blocks = None  # --weights gguf: the file's own blocks, whose values replace the model's weights first
         if plan.gguf is not None:
             blocks = block_tiles.read_gguf(plan.gguf, model, order, scale)
         inner = model.model
+        self.layer_count = len(inner.layers)
+        # a model read directly from its GGUF (gguf_model.py) has no float weights: only the blocks' kernels run
+        self.direct = getattr(model, "gguf_direct", None) is not None
         self.embed = inner.embed_tokens.weight
+        self.embed_blocks = blocks["embed"] if self.direct else None  # (embeddings looked up in the file's blocks)
         self.norm = inner.norm.weight
-        self.lm_head = Linear(model.lm_head.weight)
-        self.weights: list[torch.Tensor] = []  # per layer: norm1, qkv, o, norm2, gate_up, down
+        self.lm_head = Linear(model.lm_head.weight) if not self.direct else None
+        self.weights: list[torch.Tensor] = []  # per layer: norm1, qkv, o, norm2, gate_up, down (none when direct)
         self.biases: list[Optional[torch.Tensor]] = []  # per layer: the fused q/k/v bias (Qwen2), else None
         projections: list[torch.Tensor] = []  # per layer: the fused q/k/v, o, fused gate/up and down weights
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             fused = (attn, self.heads, self.kv_heads, self.head_dim, order, scale)
             self.biases.append(reordered_qkv(*fused, bias=True) if attn.q_proj.bias is not None else None)
+            if self.direct:
+                continue
             linears = [Linear(reordered_qkv(*fused, bias=False)), Linear(attn.o_proj.weight),
                        Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()),
                        Linear(mlp.down_proj.weight)]
@@ -104,7 +125,7 @@ class LeanLlama:
                                      for linear in linears)
             self.weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
             projections += [linear.weight for linear in linears]
-        self.packed = self.lm_head.packed is not None
+        self.packed = self.lm_head is not None and self.lm_head.packed is not None
         self.projections = projections  # float32, for prompt_weights
         # forwards over few rows run in numba, reading bfloat16-valued weights as 16 bits (layers.py)
         # or, with --weights gguf, reading the GGUF's own 4- and 8-bit blocks (block_tiles.py)
@@ -115,9 +136,11 @@ class LeanLlama:
         self.apply(plan)
         self._wide = torch.empty(0)  # see _batch
         self.run_layers = compiled_layers()
-        theta = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
-        # float32 angles and cos/sin, as transformers computes them (for every model dtype)
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.int64).float() / half))
+        # float32 angles and cos/sin, as transformers computes them (for every model dtype): its rotary module's
+        # frequencies (rope scaling: llama3, linear and yarn change them once) and its factor on cos and sin (yarn's)
+        rotary = model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float().cpu()
+        self.rotary_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self.rotary = self._rotary(self.INITIAL_CAPACITY)
         if self.kernel_weights is not None:
             self._warm()
@@ -153,7 +176,8 @@ class LeanLlama:
                 projections, head = [b for layer in self.blocks["layers"] for b in layer], self.blocks["head"]
             else:
                 projections, head = self.projections, self.lm_head.weight
-            self.kernel_weights = (layers.Weights(self._norms, self.biases, projections, self.norm, head, q8=self.q8)
+            self.kernel_weights = (layers.Weights(self._norms, self.biases, projections, self.norm, head, q8=self.q8,
+                                                  qk_norms=self.qk_norms)
                                    if plan.weights != "checkpoint" else None)
         self.reads = {"gguf blocks": "gguf blocks, q8 activations" if self.q8 else "gguf blocks",
                       "16 bits": "16 bits"}.get(plan.weights, "float32")  # (the cost cache's key)
@@ -198,7 +222,7 @@ class LeanLlama:
 
     def _rotary(self, positions: int) -> torch.Tensor:
         angles = torch.outer(torch.arange(positions, dtype=torch.float32), self.inv_freq)
-        rotary = torch.complex(torch.cos(angles), torch.sin(angles))  # [positions, half]
+        rotary = torch.complex(torch.cos(angles) * self.rotary_scaling, torch.sin(angles) * self.rotary_scaling)
         return rotary.to(torch.complex128 if self.dtype == torch.float64 else torch.complex64).to(self.device)
 
     @torch.no_grad()
@@ -225,7 +249,7 @@ class LeanLlama:
             into.values[layer, :, target : target + count] = cache.values[layer, :, source : source + count].clone()
 
     def new_cache(self) -> StaticCache:
-        return StaticCache(len(self.weights) // 6, self.kv_heads, self.head_dim, self.INITIAL_CAPACITY,
+        return StaticCache(self.layer_count, self.kv_heads, self.head_dim, self.INITIAL_CAPACITY,
                            self.cache_dtype, self.device)
 
     @torch.no_grad()
@@ -258,7 +282,8 @@ class LeanLlama:
         if max(ends) > self.rotary.shape[0]:
             self.rotary = self._rotary(max(max(ends), 2 * self.rotary.shape[0]))
         ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=self.device)
-        x = F.embedding(ids, self.embed)  # [rows, hidden]
+        x = (self.embed_blocks.take(ids.numpy()) if self.embed_blocks is not None
+             else F.embedding(ids, self.embed))  # [rows, hidden]
         rotary = torch.cat([self.rotary[start:end] for start, end in zip(starts, ends)])[:, None, :]  # [rows, 1, half]
         # sequences of up to attention.FEW_ROWS rows take the cache-streaming kernel (attention.py): on CPUs in float32;
         # with q8 activations every sequence but prompt chunks, so that a verify of any length matches decoding bit
@@ -304,7 +329,7 @@ class LeanLlama:
         else:
             x = self.run_layers(x, [r.cache.keys for r in rows], [r.cache.values for r in rows], rotary, masks,
                                 starts, counts, few, table, score_rows, width,
-                                self.prompt_weights if prompt else self.weights, self.biases, self.packed,
+                                self.prompt_weights if prompt else self.weights, self.biases, self.qk_norms, self.packed,
                                 self.eps, self.heads, self.kv_heads, self.head_dim, wide)
             logits = self.lm_head(F.rms_norm(x[keep], (self.hidden,), self.norm, self.eps))  # [sum of keep, vocab]
         for r, end in zip(rows, ends):
@@ -317,8 +342,8 @@ class LeanLlama:
 def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[torch.Tensor], rotary: torch.Tensor,
                masks: List[Optional[torch.Tensor]], starts: List[int], counts: List[int], few: List[bool],
                table: Optional[torch.Tensor], score_rows: int, width: int, weights: List[torch.Tensor],
-               biases: List[Optional[torch.Tensor]], packed: bool, eps: float, heads: int, kv_heads: int,
-               dim: int, wide: Optional[torch.Tensor]) -> torch.Tensor:
+               biases: List[Optional[torch.Tensor]], qk_norms: List[Optional[torch.Tensor]], packed: bool, eps: float,
+               heads: int, kv_heads: int, dim: int, wide: Optional[torch.Tensor]) -> torch.Tensor:
     """Every decoder layer over x [rows, hidden]: sequence s has counts[s] rows at positions starts[s].. and
     its own cache (keys_all[s], values_all[s]), where its keys and values are written. Sequences marked in `few`
     attend in one call of attention.cached_attention per layer (described by `table`; `score_rows` query heads
@@ -331,6 +356,10 @@ def run_layers(x: torch.Tensor, keys_all: List[torch.Tensor], values_all: List[t
         h = torch.rms_norm(x, [hidden], norm1, eps)
         qkv = project(h, qkv_w, packed, biases[index])  # [rows, (heads + 2 kv_heads) dim]
         qk = qkv[:, : (heads + kv_heads) * dim].reshape(x.shape[0], heads + kv_heads, dim // 2, 2)
+        qk_norm = qk_norms[index]
+        if qk_norm is not None:  # (Qwen3's per-head norms)
+            qk = (torch.rms_norm(qk.reshape(x.shape[0], heads + kv_heads, dim), [dim], None, eps)
+                  * qk_norm).reshape(x.shape[0], heads + kv_heads, dim // 2, 2)
         if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:  # no complex bf16, and complex32 has few
             # kernels: rotate in float32 (as transformers does) and come back to the model's dtype
             qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rotary).to(qkv.dtype).flatten(2)
@@ -442,8 +471,11 @@ def q8_available() -> bool:
 
 def forward_path(model, lean: bool = True, gguf: Optional[Path] = None, prompt_precision: str = "float32",
                  cache_type: str = "auto", activations: str = "auto", graphs: Optional[bool] = None,
-                 context: int = 0, invariant: bool = False):
-    """The forward for `model` with these settings (plan.resolve's; lean=False: transformers' forward)."""
+                 context: int = 0, invariant: Optional[bool] = None):
+    """The forward for `model` with these settings (plan.resolve's; lean=False: transformers' forward). invariant
+    None: on for a model read directly from its GGUF (which runs nothing else), else off."""
+    if invariant is None:
+        invariant = getattr(model, "gguf_direct", None) is not None
     plan = resolve(model, "lean" if lean else "transformers", gguf, prompt_precision, cache_type, activations,
                    invariant, graphs)
     return build(plan, model, context)

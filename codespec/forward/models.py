@@ -126,6 +126,20 @@ def conversion_memory(gguf: Path) -> int:
     return int(weights * 4 * CONVERSION_MEMORY["K" if k_quants else "other"])
 
 
+# Memory a GGUF read directly takes, as a multiple of its file: the tiles' copies of its blocks (their scales widened
+# to float32; 5- and 6-bit types a byte a weight) beside the mapped file's pages (the kernel may drop those).
+DIRECT_MEMORY = 2.0
+
+
+def check_direct_memory(gguf: Path) -> None:
+    """A one-line error, before a weight is read, where reading `gguf` directly would take more memory than is
+    available."""
+    needed, available = int(gguf.stat().st_size * DIRECT_MEMORY), available_memory()
+    if available is not None and needed > available:
+        raise CodespecError(f"loading {gguf.name} takes about {_size(needed)} of memory and {_size(available)} "
+                            "is available: free some memory, or use a smaller model")
+
+
 def available_memory() -> int | None:
     """Bytes this machine can give a process now without swapping (Linux's MemAvailable), or None elsewhere."""
     try:
@@ -343,13 +357,37 @@ def resolve_dtype(name: str, device: str, parameters: int = 0):
     return getattr(torch, DTYPES[name])
 
 
+def direct_gguf(config: ModelConfig):
+    """The GGUF `config` reads directly (gguf_model.py: no float32 copy, no conversion), or None: the default model or
+    a .gguf file, on a CPU in float32, with the settings under which every forward runs in the block kernels (the
+    defaults), and a file whose architecture and tensor types those kernels take."""
+    kind, _ = model_source(config.model)
+    if kind != "cache" or config.extra or config.dtype not in ("auto", "float32", "fp32"):
+        return None
+    if config.weights == "checkpoint" or config.forward != "lean" or config.invariant != "on":
+        return None
+    if config.prompt_precision == "bfloat16" or resolve_device(config.device) != "cpu":
+        return None
+    from .gguf_model import direct_problem
+    from .kernels import layers
+
+    gguf = locate_default_gguf() if config.model in DEFAULT_ALIASES else Path(config.model).expanduser()
+    return gguf if layers.ready() and direct_problem(gguf) is None else None
+
+
 def load(config: ModelConfig, show_progress: bool = True):
-    """Return (model, tokenizer) ready for inference, pulling the default model on first use."""
+    """Return (model, tokenizer) ready for inference: a GGUF read directly where the settings allow (direct_gguf),
+    else pulling (converting) the model on first use."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(config.device)
-    kind, _ = model_source(config.model)
+    kind, target = model_source(config.model)
+    if (gguf := direct_gguf(config)) is not None:
+        from . import gguf_model
+
+        check_direct_memory(gguf)
+        return gguf_model.load(gguf, target.with_name(target.name + "-direct"))
     location = str(pull(config.model, show_progress=show_progress))
     dtype = resolve_dtype(config.dtype, device, parameter_count(location) if device != "cpu" else 0)
     if device.startswith("cuda"):  # TF32 would round float32 products to 10 bits of mantissa

@@ -51,6 +51,8 @@ def resolve(model, forward: str = "lean", gguf: Optional[Path] = None, prompt_pr
     """The plan for `model` with these settings on this machine, or a CodespecError naming the setting that cannot
     be honoured. forward: "lean" (the lean path where the model fits it) or "transformers". gguf: multiply that
     file's own blocks (--weights gguf). graphs: the lean path's graph-safe forward (None: on GPUs)."""
+    direct = getattr(model, "gguf_direct", None)  # read from its GGUF directly (gguf_model.py): only its blocks
+    gguf = gguf or direct
     graphs = model.device.type == "cuda" if graphs is None else graphs
     why = lean_unsupported(model) if forward != "transformers" else "--forward transformers"
     dtype = str(getattr(model, "dtype", "")).removeprefix("torch.")  # (a model of its own may have none)
@@ -74,14 +76,22 @@ def resolve(model, forward: str = "lean", gguf: Optional[Path] = None, prompt_pr
     invariant = invariant and gguf is not None and cache_kernel
     kernels = instruction_set() if weights != "checkpoint" or cache_kernel else ""
     cache = cache_of(cache_type, cache_kernel, q8, head_dim)
+    if direct is not None and not invariant:
+        raise CodespecError(f"{direct.name} is read directly (its blocks, no float weights), which runs every forward "
+                            "in the block kernels: keep --invariant on, or add --weights checkpoint")
     return ForwardPlan("lean", gguf, weights, "q8" if q8 else "float32", cache,
                        prompts_of(prompt_precision, cpu32, q8, invariant), invariant, cache_kernel, kernels, dtype)
+
+
+# rope types whose frequencies (and factor on cos and sin) are fixed when the model loads: the lean forward takes them
+# from transformers' rotary module (Llama 3.x: llama3; others change with the sequence's length)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def lean_unsupported(model) -> Optional[str]:
     """None when the lean path computes the model's forward exactly, else why not."""
     config = model.config
-    if config.model_type not in ("llama", "qwen2"):
+    if config.model_type not in ("llama", "qwen2", "qwen3"):
         return f"model type {config.model_type!r}"
     attention_layer = model.model.layers[0].self_attn
     qkv_biased = {linear.bias is not None for linear in (attention_layer.q_proj, attention_layer.k_proj,
@@ -93,10 +103,8 @@ def lean_unsupported(model) -> Optional[str]:
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") != "default":
+    if rope.get("rope_type", "default") not in STATIC_ROPE:
         return f"rope type {rope.get('rope_type')!r}"
-    if _head_dim(config) * config.num_attention_heads != config.hidden_size:
-        return "head_dim x heads != hidden size"
     return None
 
 

@@ -72,7 +72,7 @@ def assert_greedy_identity(engine, name):
             engine.path.use_activations(ModelConfig.activations)
         engine.path.use_prompt_precision(ModelConfig.prompt_precision)
         engine.path.use_cache_type(ModelConfig.cache_type)
-    model = engine.model
+    model = engine.transformers_model  # (read directly from the GGUF: a float32 copy with the file's values)
     for options in ({}, {"prompt_lookup_num_tokens": 10}):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=96, do_sample=False, **options)
         assert out[0, len(prompt):].tolist() == plain.tokens, options

@@ -33,7 +33,7 @@ def plain(engine, prompt):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_every_drafter_is_lossless_through_edits_and_regenerations(kind, dtype):
     """One session per drafter: a generation, an edit above the cursor and a regeneration from an earlier
     point, each token-identical to plain greedy in a fresh session. The prompts are longer than Gemma 3's
@@ -63,7 +63,7 @@ def test_half_precision_runs_with_speculation(kind, forward, dtype):
     """float16 once crashed in the lean path's rotary multiply. In half precision speculative and plain output
     may differ in rounding, so this asserts that it runs; `codespec bench` reports how often they agree."""
     engine = engine_for(kind, dtype, forward)
-    assert isinstance(engine.path, LeanLlama) == (kind in ("llama", "qwen2") and forward == "lean")
+    assert isinstance(engine.path, LeanLlama) == (kind in ("llama", "qwen2", "qwen3") and forward == "lean")
     prompt = random_prompt(np.random.default_rng(5), 3 * SLIDING_WINDOW, repetitive=True)
     drafted = 0
     for name in ("prompt-lookup", "ngram-mod"):

@@ -11,22 +11,10 @@ from gguf import quants
 from codespec.forward.kernels import block_tiles
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, Rows, forward_path
-from tests.kquants import encode
+from tests.gguf_files import k_quant_model, q4_k_m, quantize, random_blocks, tensor, write_gguf
 from tests.tiny import tiny_arch_model
 
 NO_NORM = np.zeros(0, dtype=np.float32)
-
-
-def random_blocks(kind: str, outputs: int, inputs: int, seed: int = 0) -> block_tiles.Blocks:
-    """Blocks of tile layout `kind` with random integers, scales and minimums (float16 values, as files have)."""
-    rng = np.random.default_rng(seed)
-    layout = block_tiles.KINDS[kind]
-    shape = (outputs, inputs // 32, layout.scales)
-    scales = (rng.random(shape) * 0.1).astype(np.float16).astype(np.float32)
-    minimums = (rng.random(shape) - 0.5).astype(np.float16).astype(np.float32)
-    q = rng.integers(0, 16, (outputs, inputs // 32, 32)) if layout.q_bytes == 16 else rng.integers(
-        -128, 128, (outputs, inputs // 32, 32))
-    return block_tiles.Blocks.of(kind, q, scales, minimums if layout.minimum else None)
 
 
 @pytest.mark.parametrize("kind", list(block_tiles.KINDS))
@@ -49,13 +37,6 @@ def test_the_kernel_multiplies_by_the_blocks_values_and_a_row_gets_the_same_bits
 
 
 FILE_TYPES = [Type.Q4_0, Type.Q4_1, Type.Q5_0, Type.Q5_1, Type.Q8_0, Type.Q4_K, Type.Q5_K, Type.Q6_K]
-
-
-def quantize(weight: np.ndarray, kind: Type) -> np.ndarray:
-    """A file's raw blocks of `weight`: gguf's own encoder, or tests/kquants.py's for the K-quants it cannot write."""
-    if kind.name.endswith("_K"):
-        return encode(weight, kind.name)
-    return quants.quantize(weight, kind)
 
 
 @pytest.mark.parametrize("kind", FILE_TYPES, ids=lambda kind: kind.name)
@@ -94,47 +75,14 @@ def test_projections_fused_from_different_types_share_one_layout_that_holds_them
     assert block_tiles.Blocks.cat([parts[0], parts[2]]).kind == "Q8_M"
 
 
-def llama_cpp_order(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's convert script: each Llama head's rotated pairs side by side."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
-
-
-def write_gguf(path, model, permute: bool, projections=Type.Q4_1, output=Type.Q8_0):
-    """The model's weights quantised into a GGUF laid out as llama.cpp writes one (q/k permuted for Llama).
-    projections: a type, or a function of the tensor's name giving one."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    config = model.config
-
-    def add(name, weight, kind):
-        kind = kind(name) if callable(kind) else kind  # (a type per tensor, as llama-quantize's mixes give)
-        writer.add_tensor(name, quantize(weight.detach().float().numpy(), kind), raw_dtype=kind)
-
-    add("token_embd.weight", model.model.embed_tokens.weight, output)
-    add("output.weight", model.lm_head.weight, output)
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        q, k = attn.q_proj.weight, attn.k_proj.weight
-        if permute:
-            q, k = llama_cpp_order(q, config.num_attention_heads), llama_cpp_order(k, config.num_key_value_heads)
-        for name, weight in (("attn_q", q), ("attn_k", k), ("attn_v", attn.v_proj.weight),
-                             ("attn_output", attn.o_proj.weight), ("ffn_gate", mlp.gate_proj.weight),
-                             ("ffn_up", mlp.up_proj.weight), ("ffn_down", mlp.down_proj.weight)):
-            add(f"blk.{i}.{name}.weight", weight, projections)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-@pytest.mark.parametrize("kind, permute", [("llama", True), ("llama", False), ("qwen2", False)])
+@pytest.mark.parametrize("kind, permute", [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", False)])
 def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tmp_path, kind, permute):
     model = tiny_arch_model(kind, dtype=torch.float32)
     path = write_gguf(tmp_path / "tiny.gguf", model, permute)
     before = model.model.layers[1].self_attn.q_proj.weight.clone()
     lean = forward_path(model, gguf=path, activations="float32")  # test_q8.py: the rounded activations
     assert isinstance(lean, LeanLlama) and isinstance(lean.kernel_weights.head, tuple)
-    file_q = quants.dequantize(gguf.GGUFReader(str(path)).get_tensor(9).data, Type.Q4_1)  # blk.1.attn_q
+    file_q = quants.dequantize(tensor(path, "blk.1.attn_q.weight").data, Type.Q4_1)
     expected = torch.from_numpy(file_q)
     if permute:  # back to the model's order
         heads, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
@@ -155,7 +103,7 @@ def test_the_model_takes_the_files_values_and_the_numba_path_reads_its_blocks(tm
 
 @pytest.mark.parametrize("activations, draft_length", [
     ("float32", 4), *(pytest.param("q8", n, marks=pytest.mark.needs_kernels("q8 block tiles")) for n in (4, 24))])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for_bit(tmp_path, kind, activations,
                                                                                   draft_length):
     """The projections compute each row alone (above and test_q8.py: the same bits in any batch), and so does
@@ -213,28 +161,6 @@ def test_weights_auto_picks_the_blocks_only_where_they_run(tmp_path):
     assert auto_gguf(model, "lean", bf16) is None
 
 
-def k_quant_model(kind: str):
-    """A tiny random model wide enough for the K-quants' 256-weight super-blocks (hidden 256, 4 heads of 64)."""
-    import transformers
-
-    from tests.tiny import VOCAB, tiny_config
-
-    shape = {**tiny_config(VOCAB, 512), "hidden_size": 256, "intermediate_size": 512}
-    config = transformers.Qwen2Config(**shape) if kind == "qwen2" else transformers.LlamaConfig(**shape)
-    torch.manual_seed(0)
-    model = (transformers.Qwen2ForCausalLM if kind == "qwen2" else transformers.LlamaForCausalLM)(config)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and module.bias is not None:
-                module.bias.normal_(0.0, 0.5)
-    return model.float().eval()
-
-
-def q4_k_m(name: str) -> Type:
-    """llama-quantize's Q4_K_M mix, in small: Q4_K, with v and down in Q6_K in every other layer."""
-    return Type.Q6_K if any(f"blk.{i}.{part}" in name for i in (0,) for part in ("attn_v", "ffn_down")) else Type.Q4_K
-
-
 @pytest.mark.parametrize("projections", [Type.Q4_0, Type.Q5_0, Type.Q5_1, Type.Q4_K, Type.Q5_K, Type.Q6_K, q4_k_m],
                          ids=lambda p: getattr(p, "name", None) or p.__name__)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -247,8 +173,7 @@ def test_a_model_in_every_file_type_runs_the_blocks_and_verifies_bit_for_bit(tmp
                       output=Type.Q6_K)
     lean = forward_path(model, gguf=path, activations="float32")
     assert lean.plan.weights == "gguf blocks"
-    down = gguf.GGUFReader(str(path)).get_tensor(8)  # blk.0.ffn_down: not reordered
-    assert down.name == "blk.0.ffn_down.weight"
+    down = tensor(path, "blk.0.ffn_down.weight")  # (not reordered)
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight,
                        torch.from_numpy(quants.dequantize(down.data, down.tensor_type)))
     prompt, draft = [5, 17, 3, 99, 42, 7, 8, 9], [11, 12, 13, 14, 15, 16]

@@ -11,7 +11,7 @@ from codespec.engine import Engine
 from codespec.errors import CodespecError
 from codespec.forward import Rows, StaticCache, forward_path
 from tests.tiny import EOS, tiny_arch_model
-from tests.unit.test_block_tiles import write_gguf
+from tests.gguf_files import write_gguf
 
 
 def attend_once(cache: StaticCache, heads: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

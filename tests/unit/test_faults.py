@@ -29,7 +29,7 @@ from codespec.forward import forward_path
 from codespec.server import create_app
 from tests.serving import live_server
 from tests.tiny import EOS, tiny_model, tiny_tokenizer
-from tests.unit.test_block_tiles import write_gguf
+from tests.gguf_files import write_gguf
 
 
 @pytest.fixture
@@ -84,11 +84,20 @@ def test_a_damaged_converted_model_is_converted_again(fake_gguf, tmp_path, capsy
     assert run(capsys, "pull", "--model", fake_gguf.file)[0] == 0
     (converted,) = (tmp_path / "home" / "models").glob("tiny-*")
     damage(converted / file)
-    code, err = run(capsys, "generate", "--model", fake_gguf.file, "--max-tokens", "4", "def f(")
+    code, err = run(capsys, "generate", "--model", fake_gguf.file, "--weights", "checkpoint", "--max-tokens", "4",
+                    "def f(")  # (the converted model: what --weights checkpoint runs; auto reads the file directly)
     assert code == 0, err
     assert f"the converted model is damaged: {converted / file}" in err and "converting it again" in err
     assert len(fake_gguf.conversions) == 2
     assert models(tmp_path) == [converted.name]  # no staging folder, no old copy left beside it
+
+
+def test_a_gguf_whose_metadata_does_not_match_its_tensors_is_one_line(fake_gguf, capsys):
+    """The fake file carries no model metadata, so transformers' config from it is Llama's default shape (hidden
+    4096), which its tensors are not: read directly, that is a one-line error naming the file, not a traceback."""
+    code, err = run(capsys, "generate", "--model", fake_gguf.file, "--max-tokens", "4", "def f(")
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("codespec: error: tiny.gguf's metadata does not match its tensors: blk.0.attn_norm.weight has 64 values")
 
 
 def test_a_conversion_that_would_not_fit_in_memory_is_refused_before_it_starts(fake_gguf, capsys, monkeypatch):

@@ -17,11 +17,11 @@ def assert_close(lean_logits, reference_logits, tolerance):
     assert (lean_logits - reference_logits).abs().max().item() < tolerance
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_lean_matches_transformers_through_prefill_decode_verify_and_rollback(kind):
     model = tiny_arch_model(kind)
     assert LeanLlama.supports(model) is None
-    assert kind == "llama" or model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0  # Qwen2: biases matter
+    assert kind != "qwen2" or model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0  # Qwen2: biases matter
     lean, reference = LeanLlama(model), TransformersForward(model)
     lean_cache, reference_cache = lean.new_cache(), reference.new_cache()
     prompt = list(range(3, 40))
@@ -76,7 +76,7 @@ def test_float32_lean_model_matches_transformers():
     (dict(attention_bias=True), "projection biases"),  # Llama's biases include o_proj's
     (dict(layer_types=["sliding_attention"], sliding_window=8), "sliding-window layers"),
     (dict(hidden_act="gelu"), "activation"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope type"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "rope type"),
 ])
 def test_models_the_lean_path_cannot_run_fall_back_to_transformers(change, reason):
     config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -86,6 +86,33 @@ def test_models_the_lean_path_cannot_run_fall_back_to_transformers(change, reaso
     assert isinstance(forward_path(model), TransformersForward)
     assert isinstance(forward_path(tiny_model()), LeanLlama)
     assert isinstance(forward_path(tiny_model(), lean=False), TransformersForward)
+
+
+ROPE_SCALING = {  # Llama 3.x's (llama3), and the other kinds fixed at load: their frequencies, yarn's factor too
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500000.0},
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPE_SCALING))
+def test_rope_scaling_fixed_at_load_runs_on_the_lean_path_as_transformers_computes_it(rope):
+    """Llama 3.x's rope scaling (and linear and yarn): the lean forward takes transformers' rotary frequencies and
+    factor, and matches its forward past the original context (positions beyond 16 here)."""
+    from tests.tiny import VOCAB, tiny_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**tiny_config(VOCAB, 512), rope_parameters=ROPE_SCALING[rope]))
+    model = model.double().eval()
+    assert LeanLlama.supports(model) is None
+    lean, reference = LeanLlama(model), TransformersForward(model)
+    prompt = list(range(3, 60))
+    assert_close(lean(lean.new_cache(), prompt, len(prompt)), reference(reference.new_cache(), prompt, len(prompt)),
+                 FLOAT64)
+    plain = LlamaForCausalLM(LlamaConfig(**tiny_config(VOCAB, 512))).double().eval()
+    plain.load_state_dict(model.state_dict())
+    assert (lean(lean.new_cache(), prompt, 1) - LeanLlama(plain)(LeanLlama(plain).new_cache(), prompt, 1)).abs().max() > 1e-3
 
 
 def test_layers_run_under_torchscript_and_match_the_interpreted_function(model, monkeypatch):

@@ -25,7 +25,7 @@ def graph_path(kind="llama", dtype=torch.float64, context=512):
     return model, forward_path(model, graphs=True)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_the_graph_safe_forward_computes_the_lean_forwards_logits(kind):
     model, path = graph_path(kind)
     assert isinstance(path, GraphLlama) and path.graphs == (DEVICE == "cuda")

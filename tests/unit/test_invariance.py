@@ -11,7 +11,7 @@ from codespec.config import SamplingParams, SpecConfig
 from codespec.engine import Engine
 from codespec.forward import Rows, forward_path
 from tests.tiny import EOS, tiny_arch_model
-from tests.unit.test_block_tiles import write_gguf
+from tests.gguf_files import write_gguf
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 300, 90)]
 SPLITS = {"one chunk": [89], "32": [32, 32, 25], "16": [16] * 5 + [9], "7": [7] * 12 + [5], "one by one": [1] * 89,

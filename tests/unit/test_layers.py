@@ -63,7 +63,7 @@ def test_rows_in_blocks_of_four_then_two_then_one_are_each_summed_one_way():
     assert np.abs(alone - together).max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_a_bfloat16_valued_model_runs_few_rows_in_numba_and_gets_the_pytorch_results(kind, monkeypatch):
     model = bfloat16_valued(kind)
     lean, plain = LeanLlama(model, cache_type="f32"), LeanLlama(model, cache_type="f32")  # as transformers keeps it

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from codespec.forward.kernels import prompt_attention
 from codespec.forward import Rows, forward_path
 from tests.tiny import tiny_arch_model
-from tests.unit.test_block_tiles import write_gguf
+from tests.gguf_files import write_gguf
 
 
 def bfloat16(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 from codespec.forward import Rows, forward_path
 from tests.tiny import tiny_arch_model
-from tests.unit.test_block_tiles import random_blocks, write_gguf
+from tests.gguf_files import random_blocks, write_gguf
 
 
 

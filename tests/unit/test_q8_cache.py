@@ -12,7 +12,7 @@ from codespec.errors import CodespecError
 from codespec.forward import Rows, StaticCache, forward_path
 from tests.tiny import VOCAB, tiny_arch_model, tiny_config
 from tests.unit.test_cache_type import attend_once, causal, greedy_agrees
-from tests.unit.test_block_tiles import write_gguf
+from tests.gguf_files import write_gguf
 
 
 def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

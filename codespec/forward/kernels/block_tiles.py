@@ -294,11 +294,11 @@ def _q6_k(raw):
 
 
 # Each GGUF type the tiles read: its block (weights, bytes), the layout it runs in, and how a tensor's raw blocks
-# [N, blocks, bytes] become q [N, blocks of 32, 32] (integers), d and m [N, blocks of 32, scales] (float32; m None
-# where it has none).
+# [N, blocks, bytes] become q [N, blocks of 32, 32] (integers; or [..., 16], nibbles already in the Q4_1 layout's
+# order), d and m [N, blocks of 32, scales] (float32; m None where it has none).
 FORMATS = {
-    "Q4_0": (32, 18, "Q4_1", lambda r: (_nibbles(r[:, :, 2:]), _halves(r, 0)[..., None], -8 * _halves(r, 0)[..., None])),
-    "Q4_1": (32, 20, "Q4_1", lambda r: (_nibbles(r[:, :, 4:]), _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
+    "Q4_0": (32, 18, "Q4_1", lambda r: (r[:, :, 2:], _halves(r, 0)[..., None], -8 * _halves(r, 0)[..., None])),
+    "Q4_1": (32, 20, "Q4_1", lambda r: (r[:, :, 4:], _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
     "Q5_0": (32, 22, "Q8_0", lambda r: ((_nibbles(r[:, :, 6:]) | (_high_bits(r[:, :, 2:6]) << 4)).astype(np.int16)
                                         - 16, _halves(r, 0)[..., None], None)),
     "Q5_1": (32, 24, "Q8_M", lambda r: (_nibbles(r[:, :, 8:]) | (_high_bits(r[:, :, 4:8]) << 4),
@@ -340,7 +340,8 @@ class Blocks:
 
     @classmethod
     def of(cls, kind: str, q: np.ndarray, d: np.ndarray, m, source: str = "") -> "Blocks":
-        """Blocks of layout `kind` from integers q [N, B, 32] and d, m [N, B, scales] (m None: zeros)."""
+        """Blocks of layout `kind` from integers q [N, B, 32] (or packed nibbles [N, B, 16]) and d, m [N, B, scales]
+        (m None: zeros)."""
         layout = KINDS[kind]
         n, blocks = q.shape[:2]
         if d.shape[2] != layout.scales:  # one scale a block, repeated for both halves
@@ -348,7 +349,7 @@ class Blocks:
             m = None if m is None else np.repeat(m, layout.scales, axis=2)
         m = np.zeros_like(d) if m is None else m
         if layout.q_bytes == 16:
-            packed = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+            packed = q if q.shape[-1] == 16 else (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
         else:
             packed = q.astype(np.int8).view(np.uint8)
         return cls(kind, np.ascontiguousarray(packed.reshape(n, -1)), np.ascontiguousarray(d.reshape(n, -1), np.float32),
@@ -371,6 +372,10 @@ class Blocks:
         if q8:
             return self.q.nbytes + self.d.size * 4
         return self.q.nbytes + self.d.nbytes + (self.m.nbytes if KINDS[self.kind].minimum else 0)
+
+    def take(self, ids) -> torch.Tensor:
+        """The float32 values of rows `ids` (an embedding lookup in the blocks)."""
+        return self.rows(ids).values()
 
     def rows(self, index) -> "Blocks":
         return Blocks(self.kind, self.q[index], self.d[index], self.m[index], self.source)
@@ -442,6 +447,20 @@ def _read(path: str, size: int, modified: int):
     return TensorsOnly(path)
 
 
+def field(path: Path, name: str):
+    """The value of the GGUF's metadata field `name` (a number or a string), or None where it has none."""
+    found = _reader(path).fields.get(name)
+    if found is None or not found.data:
+        return None
+    value = found.parts[found.data[0]]
+    return bytes(value).decode() if found.types and found.types[0].name == "STRING" else value.tolist()[0]
+
+
+def architecture(path: Path) -> str:
+    """The GGUF's general.architecture ("llama", "qwen2", ...)."""
+    return field(path, "general.architecture") or "unknown"
+
+
 def unreadable(path: Path) -> str | None:
     """Why read_gguf cannot take `path`'s projections (a tensor in another format, a file it cannot parse), or
     None: what --weights auto asks before it picks the blocks."""
@@ -489,11 +508,13 @@ def q8_problem(path: Path, q_scale: float) -> str | None:
     return None
 
 
-def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
+def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bool | None = None) -> dict:
     """Read the blocks of `path` (the GGUF `model` was converted from), overwrite the model's float32
     weights with their values, and return the blocks the lean forward needs, its rows in its own order (q and
     k heads with rows reordered by `order`, q's times `scale`): {"layers": [qkv, o, gate_up, down] per layer,
-    "head": the output layer}."""
+    "head": the output layer, "embed": the embedding's}. A model read directly from the file (gguf_model.py: its
+    weights placeholders) is left as it is. permuted: whether q and k rows are in llama.cpp's order for Llama (None:
+    whichever of the two orders the model's own weights match; a direct model: the file's architecture says)."""
     try:
         reader = _reader(path)
     except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
@@ -505,6 +526,9 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     back = torch.argsort(order)  # lean row i of a head is the model's row order[i]
+    direct = getattr(model, "gguf_direct", None) is not None
+    if direct and permuted is None:
+        permuted = architecture(path) == "llama"  # llama.cpp's converter permutes Llama's q and k only
 
     def blocks(name: str) -> Blocks:
         if name not in tensors:
@@ -512,6 +536,11 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
         return Blocks.read(tensors[name])
 
     def load(parameter: torch.Tensor, values: torch.Tensor, name: str) -> None:
+        if direct:  # (its weights are placeholders: the blocks are the model)
+            if tuple(values.shape) != tuple(parameter.shape):
+                raise CodespecError(f"--weights gguf: {name} is {tuple(values.shape)}, "
+                                    f"the model's {tuple(parameter.shape)}")
+            return
         if tuple(values.shape) != tuple(parameter.shape):
             raise CodespecError(f"--weights gguf: {name} is {tuple(values.shape)}, "
                                 f"the model's {tuple(parameter.shape)}")
@@ -521,10 +550,15 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
         """q or k: llama.cpp stores Llama's rotated pairs side by side (the lean order), other models as the
         model has them; whichever the file's values match is taken."""
         found = blocks(name)
+        lean_rows = torch.arange(found.d.shape[0]).view(count, head_dim)[:, order].reshape(-1)
+        if direct:
+            load(parameter, _shaped(found, direct), name)  # (the shapes checked)
+            return found if permuted else found.rows(lean_rows.numpy())
         values = found.values()
         lean_as_model = values.view(count, head_dim, -1)[:, back].reshape(values.shape)
-        lean_rows = torch.arange(values.shape[0]).view(count, head_dim)[:, order].reshape(-1)
-        if (lean_as_model - parameter).abs().max() <= (values - parameter).abs().max():  # the file's rows: lean
+        lean = permuted if permuted is not None else bool(
+            (lean_as_model - parameter).abs().max() <= (values - parameter).abs().max())
+        if lean:  # the file's rows: lean
             load(parameter, lean_as_model, name)
             return found
         load(parameter, values, name)
@@ -540,12 +574,21 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float) -> dict:
                                      ("gate", "ffn_gate", mlp.gate_proj.weight), ("up", "ffn_up", mlp.up_proj.weight),
                                      ("down", "ffn_down", mlp.down_proj.weight)):
             parts[key] = blocks(f"blk.{i}.{name}.weight")
-            load(parameter, parts[key].values(), f"blk.{i}.{name}.weight")
+            load(parameter, _shaped(parts[key], direct), f"blk.{i}.{name}.weight")
         layers.append([Blocks.cat([q, k, parts["v"]]), parts["o"], Blocks.cat([parts["gate"], parts["up"]]),
                        parts["down"]])
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     head = blocks(head_name)
-    load(model.lm_head.weight, head.values(), head_name)
+    load(model.lm_head.weight, _shaped(head, direct), head_name)
+    embed = head
     if head_name == "output.weight":  # untied: the embedding table has its own blocks
-        load(inner.embed_tokens.weight, blocks("token_embd.weight").values(), "token_embd.weight")
-    return {"layers": layers, "head": head}
+        embed = blocks("token_embd.weight")
+        load(inner.embed_tokens.weight, _shaped(embed, direct), "token_embd.weight")
+    return {"layers": layers, "head": head, "embed": embed}
+
+
+def _shaped(blocks: Blocks, direct: bool) -> torch.Tensor:
+    """The blocks' values, or for a model read directly only something of their shape (nothing is loaded)."""
+    if not direct:
+        return blocks.values()
+    return torch.zeros(1).expand(blocks.d.shape[0], blocks.q.shape[1] * 32 // KINDS[blocks.kind].q_bytes)

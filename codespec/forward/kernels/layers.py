@@ -44,6 +44,7 @@ from .native import call, compile_ir
 
 FEW_ROWS = 16  # forwards over at most this many rows come here (measured: beyond, oneDNN's GEMM over float32 wins)
 EMPTY = np.zeros(0, dtype=np.float32)  # no bias, no norm
+NO_QK_NORM = np.zeros((0, 0), dtype=np.float32)  # no per-head q/k norms (all but Qwen3)
 L1_ROWS = 8  # up to this many rows, a projection's inputs stay in L1 while a thread runs over output columns
 OUTPUTS = 16  # past L1_ROWS, a thread takes blocks of this many output columns and runs each block of rows
 # over their weights while they sit in L2 (measured: 16 rows 63 -> 50 ms a forward)
@@ -169,9 +170,10 @@ def _output(x, norm, eps, weight):
 
 
 @numba.njit(fastmath=True, cache=True, boundscheck=False)
-def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
-    """The fused q/k/v projection of rms_norm(x), plus bias when it has entries, its first `rotated` columns (the
-    q and k heads) turned pair by pair by rotary [rows, dim/2, 2] (cos, sin of each row's position)."""
+def _attention_in(x, norm, eps, weight, bias, qk_norm, rotary, rotated):
+    """The fused q/k/v projection of rms_norm(x), plus bias when it has entries, each q and k head RMS-normalised
+    and times its row of qk_norm when that has rows (Qwen3's), its first `rotated` columns (the q and k heads) then
+    turned pair by pair by rotary [rows, dim/2, 2] (cos, sin of each row's position)."""
     qkv = _project(x, norm, eps, weight)
     rows, size = qkv.shape
     if bias.shape[0]:
@@ -179,6 +181,16 @@ def _attention_in(x, norm, eps, weight, bias, rotary, rotated):
             for n in range(size):
                 qkv[r, n] += bias[n]
     half = rotary.shape[1]
+    if qk_norm.shape[0]:
+        dim = 2 * half
+        for r in range(rows):
+            for h in range(qk_norm.shape[0]):
+                total = np.float32(0.0)
+                for i in range(dim):
+                    total += qkv[r, h * dim + i] * qkv[r, h * dim + i]
+                inverse = np.float32(1.0) / np.sqrt(total / np.float32(dim) + eps)
+                for i in range(dim):
+                    qkv[r, h * dim + i] = qkv[r, h * dim + i] * inverse * qk_norm[h, i]
     for r in range(rows):
         for head in range(0, rotated, 2 * half):  # (a loop per head: one over all pairs, p % half, ran 1.6x slower)
             for p in range(half):
@@ -254,11 +266,13 @@ class Weights:
     float32 tensor of bfloat16 values (kept as 16 bits) or a GGUF's blocks (block_tiles.Blocks)."""
 
     def __init__(self, norms: list[torch.Tensor], biases: list, projections: list,
-                 final_norm: torch.Tensor, head, q8: bool = False):
+                 final_norm: torch.Tensor, head, q8: bool = False, qk_norms: Optional[list] = None):
         # typed lists: the layer loop (_layers) takes them whole
         self.norms = numba.typed.List([n.detach().float().contiguous().numpy() for n in norms])
         self.biases = numba.typed.List([EMPTY if b is None else b.detach().float().contiguous().numpy()
                                         for b in biases])
+        self.qk_norms = numba.typed.List([NO_QK_NORM if n is None else n.detach().float().contiguous().numpy()
+                                          for n in (qk_norms or [None] * len(biases))])
         self.projections = numba.typed.List([_kernel_weight(w, q8) for w in projections])
         self.final_norm = final_norm.detach().float().contiguous().numpy()
         self.head = _kernel_weight(head, q8)
@@ -319,13 +333,13 @@ def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, a
 
 
 @numba.njit(cache=True, boundscheck=False)
-def _layers(x, norms, biases, projections, eps, turn, table, scores, probabilities, attended, heads, kv_heads,
-            kernels, silu):
+def _layers(x, norms, biases, qk_norms, projections, eps, turn, table, scores, probabilities, attended, heads,
+            kv_heads, kernels, silu):
     """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels: the
     Python loop in `forward`, without its calls and array views (see the module's doc)."""
     rows, dim = x.shape[0], attended.shape[2]
     for layer in range(len(projections) // 4):
-        qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], turn,
+        qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], qk_norms[layer], turn,
                             (heads + kv_heads) * dim)
         _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), projections[4 * layer + 1],
@@ -334,14 +348,14 @@ def _layers(x, norms, biases, projections, eps, turn, table, scores, probabiliti
 
 
 @numba.njit(cache=True, boundscheck=False)
-def _prompt_layers(x, norms, biases, projections, eps, turn, keys, values, start, laid_k, laid_v, laid_from, attended,
-                   heads, kv_heads, silu, tiles, threads):
+def _prompt_layers(x, norms, biases, qk_norms, projections, eps, turn, keys, values, start, laid_k, laid_v, laid_from,
+                   attended, heads, kv_heads, silu, tiles, threads):
     """Every layer over a prompt chunk x [rows, hidden] in place, its attention in prompt_attention's tiles against
     its cache (keys, values [layers, kv_heads, capacity, dim]; laid_k, laid_v and laid_from: its kept layouts, see
     prompt_attention.attend): the Python loop in `forward`, without its calls (~0.1 ms a layer)."""
     rows, dim = x.shape[0], attended.shape[2]
     for layer in range(len(projections) // 4):
-        qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], turn,
+        qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], qk_norms[layer], turn,
                             (heads + kv_heads) * dim).reshape(rows, heads + 2 * kv_heads, dim)
         prompt_attention._chunk(qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :],
                                 keys[layer], values[layer], start, True, laid_k[layer], laid_v[layer],
@@ -357,7 +371,7 @@ def _prompt_chunk(weights: Weights, x: np.ndarray, turn: np.ndarray, cache, atte
     dim, start = attended.shape[2], cache.length
     laid = prompt_attention.kept(cache, dim)
     laid_from = np.array([min(done, start) for done in laid.laid], dtype=np.int64)
-    _prompt_layers(x, weights.norms, weights.biases, weights.projections, eps, turn,
+    _prompt_layers(x, weights.norms, weights.biases, weights.qk_norms, weights.projections, eps, turn,
                    prompt_attention._elements(cache.keys), prompt_attention._elements(cache.values), start, laid.k,
                    laid.v, laid_from, attended, heads, kv_heads, silu, prompt_attention.kernels(dim),
                    numba.get_num_threads())
@@ -383,16 +397,16 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
         scores = scores[: score_rows * width].view(score_rows, width).numpy()
         probabilities = probabilities[: score_rows * width].view(score_rows, width).numpy()
         if not apart:  # the whole layer loop in numba
-            _layers(x, weights.norms, weights.biases, weights.projections, eps, turn, table, scores, probabilities,
-                    attended, heads, kv_heads, kernels, silu)
+            _layers(x, weights.norms, weights.biases, weights.qk_norms, weights.projections, eps, turn, table, scores,
+                    probabilities, attended, heads, kv_heads, kernels, silu)
             return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
     if table is None and len(apart) == 1 and apart[0].bfloat16 and apart[0].cache.keys.dtype != torch.int8:
         _prompt_chunk(weights, x, turn, apart[0].cache, attended, eps, heads, kv_heads, silu)
         return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
     for layer in range(len(weights.projections) // 4):
         qkv_w, o_w, gate_up_w, down_w = weights.projections[4 * layer : 4 * layer + 4]
-        qkv = _attention_in(x, weights.norms[2 * layer], eps, qkv_w, weights.biases[layer], turn,
-                            (heads + kv_heads) * dim)
+        qkv = _attention_in(x, weights.norms[2 * layer], eps, qkv_w, weights.biases[layer], weights.qk_norms[layer],
+                            turn, (heads + kv_heads) * dim)
         if table is not None:
             _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
         for sequence in apart:

@@ -1,0 +1,134 @@
+"""A GGUF read directly (codespec/forward/gguf_model.py): the model's projections are placeholders holding no memory,
+the lean forward multiplies the file's blocks, and the logits are those of the same file read through a float model."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Type
+
+from codespec.config import ModelConfig
+from codespec.errors import CodespecError
+from codespec.forward import LeanLlama, forward_path, gguf_model, models
+from tests.gguf_files import k_quant_model, q4_k_m, write_gguf
+from tests.tiny import tiny_arch_model, tiny_tokenizer
+
+
+def saved_metadata(folder, model) -> None:
+    """What gguf_model.metadata keeps after a first load (the tests' files carry no tokenizer of their own)."""
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (folder / "source.json").write_text(json.dumps({"gguf": "test"}))
+
+
+def direct(tmp_path, model, **file):
+    path = write_gguf(tmp_path / "model.gguf", model, permute=model.config.model_type == "llama", **file)
+    saved_metadata(tmp_path / "meta", model)
+    return path, *gguf_model.load(path, tmp_path / "meta")
+
+
+@pytest.mark.parametrize("kind, projections", [("llama", Type.Q4_1), ("qwen2", Type.Q8_0), ("llama", q4_k_m),
+                                               ("qwen2", Type.Q5_K), ("qwen3", Type.Q4_0)])
+def test_a_gguf_read_directly_holds_no_float_weights_and_gives_the_logits_of_the_float_model(tmp_path, kind,
+                                                                                           projections):
+    """The direct model's weights take no memory (placeholders; its norms and Qwen2's biases from the file), and its
+    lean forward's logits are bit for bit those of the model the file was written from, with --weights gguf (which
+    overwrites that model's weights with the file's values): same blocks, same kernels, same norms."""
+    model = k_quant_model(kind) if projections in (q4_k_m, Type.Q5_K) else tiny_arch_model(kind, dtype=torch.float32)
+    path, loaded, tokenizer = direct(tmp_path, model, projections=projections)
+    assert loaded.gguf_direct == path and loaded.device.type == "cpu" and loaded.dtype == torch.float32
+    held = sum(p.untyped_storage().nbytes() for p in loaded.parameters())
+    small = sum(p.numel() * 4 for name, p in loaded.named_parameters() if "norm" in name or name.endswith("bias"))
+    assert held == small + 4 * sum(1 for name, p in loaded.named_parameters() if not ("norm" in name or
+                                                                                     name.endswith("bias")))
+    assert torch.equal(loaded.model.layers[1].input_layernorm.weight, model.model.layers[1].input_layernorm.weight)
+    lean = forward_path(loaded, invariant=True)  # the file's blocks (the plan takes the model's own file)
+    assert isinstance(lean, LeanLlama) and lean.direct and lean.plan.weights == "gguf blocks" and lean.plan.invariant
+    reference = forward_path(model, gguf=path, activations="float32", invariant=True)
+    prompt, draft = list(range(5, 45)), [11, 12, 13, 14, 15]  # 40 rows: a prompt chunk past layers.FEW_ROWS
+    caches = [lean.new_cache(), reference.new_cache()]
+    for cache, path_ in zip(caches, (lean, reference)):
+        path_(cache, prompt, 1)
+    assert torch.equal(lean(caches[0], draft, len(draft)), reference(caches[1], draft, len(draft)))
+
+
+def test_a_direct_model_refuses_the_paths_that_need_float_weights(tmp_path):
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    _, loaded, _ = direct(tmp_path, model)
+    with pytest.raises(CodespecError, match="model.gguf is read directly .* keep --invariant on, or add --weights "
+                                            "checkpoint"):
+        forward_path(loaded, invariant=False)
+    with pytest.raises(CodespecError, match="lean forward"):
+        forward_path(loaded, lean=False)
+
+
+def test_what_cannot_be_read_directly_is_named_and_converted_instead(tmp_path, monkeypatch):
+    """Another architecture or a tensor type the tiles do not read: direct_problem says which, and models.load takes
+    the conversion path for it (direct_gguf is None); so do the settings that need float weights. A file too large
+    for the memory available is one line before a weight is read."""
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    assert gguf_model.direct_problem(write_gguf(tmp_path / "ok.gguf", model, True)) is None
+    assert gguf_model.direct_problem(write_gguf(tmp_path / "bf16.gguf", model, True, Type.BF16)) == (
+        "blk.0.attn_q.weight is BF16")
+    gemma = write_gguf(tmp_path / "gemma.gguf", tiny_arch_model("gemma3", dtype=torch.float32), False)
+    assert gguf_model.direct_problem(gemma) == "architecture 'gemma3_text' (read directly: llama, qwen2, qwen3)"
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(20))
+    assert gguf_model.direct_problem(tmp_path / "junk.gguf").startswith("cannot read")
+    ok = str(tmp_path / "ok.gguf")
+    assert models.direct_gguf(ModelConfig(model=ok)) == tmp_path / "ok.gguf"
+    for setting in ({"weights": "checkpoint"}, {"invariant": "off"}, {"forward": "transformers"},
+                    {"prompt_precision": "bfloat16"}, {"dtype": "bfloat16"}):
+        assert models.direct_gguf(ModelConfig(model=ok, **setting)) is None, setting
+    assert models.direct_gguf(ModelConfig(model=str(tmp_path / "bf16.gguf"))) is None
+    monkeypatch.setattr(models, "available_memory", lambda: 1000)
+    with pytest.raises(CodespecError, match=r"loading ok.gguf takes about .* MB of memory and 0 MB is available"):
+        models.load(ModelConfig(model=ok))
+
+
+def test_the_embedding_is_looked_up_in_the_files_blocks(tmp_path):
+    model = tiny_arch_model("qwen2", dtype=torch.float32)
+    path, loaded, _ = direct(tmp_path, model, output=Type.Q8_0)
+    lean = forward_path(loaded, invariant=True)
+    file_values = torch.from_numpy(gguf.quants.dequantize(
+        next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "token_embd.weight").data, Type.Q8_0))
+    ids = np.array([3, 0, 77, 3])
+    assert torch.equal(lean.embed_blocks.take(ids), file_values[ids])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_materialized_gives_transformers_the_files_values(tmp_path, kind):
+    """For transformers' own forward (the bench's transformers rows, the default model's identity test): a float32
+    model with the blocks' values, q and k in the model's order, whose logits are the direct model's lean forward's
+    within float32 sums in another order."""
+    model = tiny_arch_model(kind, dtype=torch.float32)
+    path, loaded, _ = direct(tmp_path, model)
+    full = gguf_model.materialized(loaded)
+    reference = forward_path(model, gguf=path, activations="float32")  # (overwrites model's weights with the file's)
+    for (name, mine), theirs in zip(full.named_parameters(), model.parameters()):
+        assert torch.equal(mine, theirs), name
+    ids = list(range(5, 25))
+    lean = forward_path(loaded, invariant=True, cache_type="f32")  # (f16 keys and values round more)
+    logits = full(torch.tensor([ids])).logits[0, -1]
+    assert (logits - lean(lean.new_cache(), ids, 1)[0]).abs().max().item() < 2e-4
+
+
+def test_metadata_fields_are_read_from_the_header(tmp_path):
+    """block_tiles.field: what the direct read takes from the file besides its tensors (the architecture; the head
+    size Qwen3 files give as attention.key_length, which transformers' GGUF config mapping misses)."""
+    from codespec.forward.kernels import block_tiles
+
+    model = tiny_arch_model("qwen3", dtype=torch.float32)
+    path = write_gguf(tmp_path / "model.gguf", model, permute=False)
+    assert block_tiles.field(path, "general.architecture") == "qwen3"
+    assert block_tiles.field(path, "qwen3.attention.key_length") is None
+    writer = gguf.GGUFWriter(str(tmp_path / "keyed.gguf"), "qwen3")
+    writer.add_key_length(32)
+    writer.add_float32("qwen3.rope.freq_base", 1e6)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert block_tiles.field(tmp_path / "keyed.gguf", "qwen3.attention.key_length") == 32
+    assert block_tiles.field(tmp_path / "keyed.gguf", "qwen3.rope.freq_base") == 1e6
