@@ -43,9 +43,38 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                             "with python -m codespec.bench.build_llama_server --out DIR)")
     bench.add_argument("--llama-server-threads", type=bounded_int(1, 1024), metavar="N",
                        help="llama-server's -t/-tb (default: torch's thread count, codespec's own)")
+    bench.add_argument("--zoo", metavar="SHAPES",
+                       help="the model zoo: random-weight GGUFs at these published shapes (comma-separated, or 'all': "
+                            "qwen2.5-coder-0.5b, -1.5b, -3b, -7b, llama-3.2-1b, smollm2-1.7b), quantized by "
+                            "llama-quantize into --zoo-types, each measured in codespec and llama-server side by side: "
+                            "load s, peak RSS, forward ms at k = 1/4/16 and its floor, prefill and decode tok/s "
+                            "(needs --llama-server; writes zoo.json)")
+    bench.add_argument("--zoo-types", default="Q8_0,Q4_K_M,Q5_K_M,Q6_K,Q4_0", metavar="TYPES",
+                       help="the quantizations the zoo makes (default Q8_0,Q4_K_M,Q5_K_M,Q6_K,Q4_0)")
+    bench.add_argument("--zoo-dir", default="zoo-models", metavar="DIR",
+                       help="where the zoo keeps its F16 files (one per shape, reused) and, for a row, its quantized one")
     bench.add_argument("--llama-server-spec-types", default="ngram-simple,ngram-mod", metavar="TYPES",
                        help="llama-server's n-gram --spec-type values to run (default ngram-simple,ngram-mod; also "
                             "ngram-map-k, ngram-map-k4v, ngram-cache)")
+
+
+def run_zoo(args) -> int:
+    """`codespec bench --zoo`: bench/zoo.py."""
+    from pathlib import Path
+
+    import torch
+
+    from . import zoo
+
+    shapes = list(zoo.SHAPES) if args.zoo == "all" else [name.strip() for name in args.zoo.split(",") if name.strip()]
+    kinds = [kind.strip() for kind in args.zoo_types.split(",") if kind.strip()]
+    rows = zoo.run(shapes, kinds, Path(args.zoo_dir), Path(args.llama_server) if args.llama_server else None,
+                   args.llama_server_threads or torch.get_num_threads())
+    print(zoo.format_table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "zoo.json").write_text(json.dumps(rows, indent=2))
+    return 0
 
 
 def run(args) -> int:
@@ -59,6 +88,8 @@ def run(args) -> int:
     from . import runner
     from .workloads import all_workloads
 
+    if args.zoo:
+        return run_zoo(args)
     quick = args.quick
     repeats, max_tokens, turns = (1, 48, 3) if quick else (args.repeats, args.max_tokens, 5)
     classes = {name.strip() for name in args.classes.split(",") if name.strip()}
