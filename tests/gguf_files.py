@@ -18,8 +18,8 @@ def random_blocks(kind: str, outputs: int, inputs: int, seed: int = 0) -> block_
     shape = (outputs, inputs // 32, layout.scales)
     scales = (rng.random(shape) * 0.1).astype(np.float16).astype(np.float32)
     minimums = (rng.random(shape) - 0.5).astype(np.float16).astype(np.float32)
-    q = rng.integers(0, 16, (outputs, inputs // 32, 32)) if layout.q_bytes == 16 else rng.integers(
-        -128, 128, (outputs, inputs // 32, 32))
+    low = -128 if layout.bits == 8 else -layout.offset
+    q = rng.integers(low, low + (1 << layout.bits), (outputs, inputs // 32, 32))
     return block_tiles.Blocks.of(kind, q, scales, minimums if layout.minimum else None)
 
 

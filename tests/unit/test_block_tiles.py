@@ -17,10 +17,16 @@ from tests.tiny import tiny_arch_model
 NO_NORM = np.zeros(0, dtype=np.float32)
 
 
-@pytest.mark.parametrize("kind", list(block_tiles.KINDS))
-def test_the_kernel_multiplies_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(kind):
+LAYOUTS = [*block_tiles.KINDS.values(), block_tiles.Layout(8, True, 2), block_tiles.Layout(4, True, 2)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_the_kernel_multiplies_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(layout):
     """Each (row, column) is the same sequence of float operations in every tile: a row's result is the same
-    whether it comes alone or in a tile of several (11 rows: 4 + 4 + 2 + 1 with AVX-512, 2 + ... + 1 with AVX2)."""
+    whether it comes alone or in a tile of several (11 rows: 4 + 4 + 2 + 1 with AVX-512, 2 + ... + 1 with AVX2).
+    Every layout: nibbles or bytes; a minimum, an offset or neither; a scale per 32 or per 16 weights (and the
+    ones the fused projections of mixed files make)."""
+    kind = block_tiles.kind_of(layout)
     blocks = random_blocks(kind, 45, 192)
     weights = blocks.values().double().numpy()
     x = np.random.default_rng(1).standard_normal((11, 192)).astype(np.float32)
@@ -63,16 +69,19 @@ def test_every_file_type_runs_in_the_tiles_as_gguf_dequantizes_it(kind):
 
 
 def test_projections_fused_from_different_types_share_one_layout_that_holds_them_all():
-    """A Q4_K_M file keeps q and k in Q4_K and v (in some layers) in Q6_K: fused into one q/k/v, they go into a
-    layout of bytes with a minimum and a scale per 16 weights, each weight unchanged."""
+    """A Q4_K_M file keeps q and k in Q4_K and v (in some layers) in Q6_K: fused into one q/k/v, they go into one
+    layout that holds them all (the most bits, a minimum, a scale per 16 weights), each weight unchanged."""
     rng = np.random.default_rng(5)
     parts = [block_tiles.Blocks.read(type("Tensor", (), {"name": "t", "tensor_type": kind, "data": quantize(
         rng.standard_normal((16, 256)).astype(np.float32), kind)})) for kind in (Type.Q4_K, Type.Q6_K, Type.Q8_0)]
     fused = block_tiles.Blocks.cat(parts)
-    assert fused.kind == "Q8_16M" and fused.source == "Q4_K+Q6_K+Q8_0"
+    assert fused.kind == "L8mx2o0" and fused.source == "Q4_K+Q6_K+Q8_0"
     assert torch.equal(fused.values(), torch.cat([p.values() for p in parts]))
     assert block_tiles.Blocks.cat(parts[:1] * 2).kind == "Q4_1"
     assert block_tiles.Blocks.cat([parts[0], parts[2]]).kind == "Q8_M"
+    assert block_tiles.Blocks.cat(parts[:2]).kind == "L8mx2o0"  # (Q4_K_M's q/k/v: bytes, a minimum, two scales)
+    for pair in (parts[:2], [parts[0], parts[2]]):
+        assert torch.equal(block_tiles.Blocks.cat(pair).values(), torch.cat([p.values() for p in pair]))
 
 
 @pytest.mark.parametrize("kind, permute", [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", False)])
@@ -205,7 +214,7 @@ def test_q8_activations_take_only_the_files_whose_blocks_they_can_hold(tmp_path,
     k = write_gguf(tmp_path / "k.gguf", k_quant_model("llama"), True, Type.Q4_K)
     assert block_tiles.q8_problem(k, scale).startswith("blk.0.attn_q.weight is Q4_K (the q8 tiles take")
     mixed = write_gguf(tmp_path / "mixed.gguf", model, True, lambda name: Type.Q8_0 if "attn_v" in name else Type.Q4_1)
-    assert block_tiles.q8_problem(mixed, scale) == "attn_q/attn_k/attn_v of blk.0 mix 4- and 8-bit blocks"
+    assert block_tiles.q8_problem(mixed, scale) == "attn_q/attn_k/attn_v of blk.0 mix 4-bit and wider blocks"
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(1e-4)  # Q8_0 scales near 1e-5: times 1/4, subnormal in float16

@@ -67,7 +67,7 @@ def test_asking_for_instructions_this_cpu_lacks_is_an_error_not_an_abort():
     assert list(block_tiles.ROWS) == ([4, 3, 2, 1] if capabilities.host_has("avx512f") else [2, 1])
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q8_M", "Q8_16"])
 def test_the_float_tiles_for_avx2_keep_their_sums_in_registers(kind):
     """AVX2 has 16 vector registers, and each row's sums take four: its tiles take two rows (block_tiles.tile_rows), and
     their loops touch the stack only for the three arguments passed there (N, out, r). A 4-row tile spills."""

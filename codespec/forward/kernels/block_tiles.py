@@ -54,22 +54,42 @@ from ...errors import CodespecError
 
 @dataclass(frozen=True)
 class Layout:
-    """How the tiles read a block of 32 weights: q as 4-bit nibbles (16 bytes: byte i holds weight i low and weight
-    16 + i high) or signed bytes (32), w = q * d (+ m where it has a minimum), with one d (and m) per block or one
-    per 16 weights."""
-    q_bytes: int
+    """How the tiles read a block of 32 weights: q as 16 bytes of 4-bit nibbles (bits 4: byte i holds weight i low
+    and weight 16 + i high, llama.cpp's order) or 32 signed bytes (bits 8); w = q * d + m with a stored m (minimum),
+    or w = (q - offset) * d, computed as fma(q, d, -offset * d) (one rounding, as llama.cpp's); one d (and m) per
+    block, or two (per 16 weights). (5- and 6-bit types run as bytes: nibbles plus a plane of the higher bits,
+    unpacked in the tile, read 40% fewer bytes but took 41 ms a forward at k = 1 against 33 ms as bytes for the
+    Qwen2.5-Coder-0.5B shape in Q4_K_M, 2-core AVX2, alternating runs: the unpacking, not the bytes, bounds it.)"""
+    bits: int
     minimum: bool
-    scales: int = 1  # scales (and minimums) per block: 1, or 2 (one per 16 weights)
+    scales: int = 1
+    offset: int = 0
+
+    @property
+    def q_bytes(self) -> int:
+        return {4: 16, 8: 32}[self.bits]
+
+    @property
+    def name(self) -> str:
+        named = {layout: name for name, layout in KINDS.items()}
+        return named.get(self) or f"L{self.bits}{'m' if self.minimum else ''}x{self.scales}o{self.offset}"
 
 
-# The tiles' layouts, named after the llama.cpp block each extends; the GGUF types each reads (FORMATS) are below.
+# The tiles' layouts, named after the llama.cpp block each holds (or extends); the GGUF types each reads: FORMATS.
 KINDS = {
-    "Q4_1": Layout(16, True),  # Q4_1; Q4_0 (m = -8 d); Q4_K (d and m its sub-block's scale and minimum)
-    "Q8_0": Layout(32, False),  # Q8_0; Q5_0 (its 5 bits less 16)
-    "Q8_M": Layout(32, True),  # Q5_1 and Q5_K: 5 bits as bytes, with a minimum
-    "Q8_16": Layout(32, False, 2),  # Q6_K: 6 bits less 32 as bytes, a scale per 16 weights
-    "Q8_16M": Layout(32, True, 2),  # q/k/v or gate/up fused from Q6_K and a type with a minimum (Q4_K_M files)
+    "Q4_1": Layout(4, True),  # Q4_1; Q4_K (d and m its sub-block's scale and minimum)
+    "Q4_0": Layout(4, False, offset=8),
+    "Q8_0": Layout(8, False),  # Q8_0; Q5_0 (its five bits less 16)
+    "Q8_M": Layout(8, True),  # Q5_1 and Q5_K: five bits as bytes, with a minimum
+    "Q8_16": Layout(8, False, 2),  # Q6_K: six bits less 32 as bytes, a scale per 16 weights
 }
+
+
+def kind_of(layout: Layout) -> str:
+    """The name of `layout`, registered in KINDS (the layouts _common makes for mixed fused projections)."""
+    name = layout.name
+    KINDS.setdefault(name, layout)
+    return name
 
 
 def tile_rows(wide_registers: bool) -> np.ndarray:
@@ -111,14 +131,14 @@ def _sum(name: str, a: str, b: str) -> str:
 
 
 def _block(kind: str, rows: int) -> str:
-    """One block of 32 weights (block %b) into the sums %a{j}_s{h}: w = q * d (+ m) as two halves of 16
-    lanes, then for each row j: a += w * x (one fused multiply-add per half)."""
+    """One block of 32 weights (block %b) into the sums %a{j}_s{h}: w = q * d + m (or (q - offset) * d) as two
+    halves of 16 lanes, then for each row j: a += w * x (one fused multiply-add per half)."""
     layout = KINDS[kind]
     text = f"  %qbb = mul i64 %b, {layout.q_bytes}\n  %qpb = getelementptr i8, ptr %q0, i64 %qbb\n"
-    if layout.q_bytes == 16:  # byte i holds weight i (low nibble) and weight 16 + i (high nibble)
+    if layout.bits == 4:  # nibbles: byte i holds weight i (low) and weight 16 + i (high)
         text += (f"  %qvb = load <16 x i8>, ptr %qpb, align 1\n  %qwb = zext <16 x i8> %qvb to <16 x i32>\n"
-                 f"  %lob = and <16 x i32> %qwb, splat (i32 15)\n  %hib = lshr <16 x i32> %qwb, splat (i32 4)\n"
-                 f"  %qb0 = uitofp <16 x i32> %lob to {VECTOR}\n  %qb1 = uitofp <16 x i32> %hib to {VECTOR}\n")
+                 f"  %lob = and <16 x i32> %qwb, splat (i32 15)\n  %hib = lshr <16 x i32> %qwb, splat (i32 4)\n")
+        text += f"  %qb0 = uitofp <16 x i32> %lob to {VECTOR}\n  %qb1 = uitofp <16 x i32> %hib to {VECTOR}\n"
     else:  # 32 signed bytes
         text += (f"  %qvb = load <32 x i8>, ptr %qpb, align 1\n  %qwb = sext <32 x i8> %qvb to <32 x i32>\n"
                  f"  %qfb = sitofp <32 x i32> %qwb to <32 x float>\n"
@@ -132,10 +152,12 @@ def _block(kind: str, rows: int) -> str:
             text += (f"  %mp{h}b = getelementptr float, ptr %m0, i64 %si{h}b\n"
                      f"  %mb{h}b = load float, ptr %mp{h}b, align 4\n")
             text += _splat(f"mv{h}b", f"%mb{h}b")
+        elif layout.offset:  # m = -offset * d: exact (a power of two times d)
+            text += f"  %mv{h}b = fmul {VECTOR} %dv{h}b, splat (float {-float(layout.offset)})\n"
     for h in (0, 1):
         s = h if layout.scales == 2 else 0
         text += (f"  %wb{h} = call {VECTOR} {FMA}({VECTOR} %qb{h}, {VECTOR} %dv{s}b, {VECTOR} %mv{s}b)\n"
-                 if layout.minimum else f"  %wb{h} = fmul {VECTOR} %qb{h}, %dv{s}b\n")
+                 if layout.minimum or layout.offset else f"  %wb{h} = fmul {VECTOR} %qb{h}, %dv{s}b\n")
     text += f"  %xbb = mul i64 %b, 32\n"
     for j in range(rows):
         for h in (0, 1):
@@ -237,16 +259,6 @@ def _halves(raw: np.ndarray, offset: int) -> np.ndarray:
     return raw[:, :, offset : offset + 2].copy().view(np.float16)[:, :, 0].astype(np.float32)
 
 
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """llama.cpp's 4-bit order (byte i: weight i in the low nibble, weight 16 + i in the high), [..., 16] -> [..., 32]."""
-    return np.concatenate([packed & 15, packed >> 4], axis=-1)
-
-
-def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """Q5_0 / Q5_1's fifth bits: a little-endian uint32 per block, bit i for weight i, [..., 4] -> [..., 32]."""
-    return np.unpackbits(qh, axis=-1, bitorder="little")
-
-
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K's eight 6-bit sub-block scales and minimums, packed in 12 bytes: [N, S, 12] -> 2 x [N, S, 8]."""
     d, m, both = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
@@ -293,16 +305,25 @@ def _q6_k(raw):
     return q.reshape(n, -1, 32), (_halves(raw, 208)[..., None] * scales).reshape(n, -1, 2), None
 
 
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """llama.cpp's 4-bit order (byte i: weight i in the low nibble, weight 16 + i in the high), [..., 16] -> [..., 32]."""
+    return np.concatenate([packed & 15, packed >> 4], axis=-1)
+
+
+def _five_bits(raw, q_at: int, qh_at: int) -> np.ndarray:
+    """Q5_0 / Q5_1's values: nibbles at q_at, fifth bits at qh_at (a little-endian uint32, bit i for weight i)."""
+    high = np.unpackbits(raw[:, :, qh_at : qh_at + 4], axis=-1, bitorder="little")
+    return (_nibbles(raw[:, :, q_at : q_at + 16]) | (high << 4)).astype(np.int16)
+
+
 # Each GGUF type the tiles read: its block (weights, bytes), the layout it runs in, and how a tensor's raw blocks
-# [N, blocks, bytes] become q [N, blocks of 32, 32] (integers; or [..., 16], nibbles already in the Q4_1 layout's
-# order), d and m [N, blocks of 32, scales] (float32; m None where it has none).
+# [N, blocks, bytes] become q, d and m [N, blocks of 32, scales] (float32; m None where there is none) with
+# w = q * d + m: q integers [N, blocks of 32, 32], or (uint8, the layout's q_bytes wide) the layout's own bytes.
 FORMATS = {
-    "Q4_0": (32, 18, "Q4_1", lambda r: (r[:, :, 2:], _halves(r, 0)[..., None], -8 * _halves(r, 0)[..., None])),
+    "Q4_0": (32, 18, "Q4_0", lambda r: (r[:, :, 2:], _halves(r, 0)[..., None], None)),
     "Q4_1": (32, 20, "Q4_1", lambda r: (r[:, :, 4:], _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
-    "Q5_0": (32, 22, "Q8_0", lambda r: ((_nibbles(r[:, :, 6:]) | (_high_bits(r[:, :, 2:6]) << 4)).astype(np.int16)
-                                        - 16, _halves(r, 0)[..., None], None)),
-    "Q5_1": (32, 24, "Q8_M", lambda r: (_nibbles(r[:, :, 8:]) | (_high_bits(r[:, :, 4:8]) << 4),
-                                        _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
+    "Q5_0": (32, 22, "Q8_0", lambda r: (_five_bits(r, 6, 2) - 16, _halves(r, 0)[..., None], None)),
+    "Q5_1": (32, 24, "Q8_M", lambda r: (_five_bits(r, 8, 4), _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
     "Q8_0": (32, 34, "Q8_0", lambda r: (r[:, :, 2:].view(np.int8), _halves(r, 0)[..., None], None)),
     "Q4_K": (QK_K, 144, "Q4_1", _q4_k),
     "Q5_K": (QK_K, 176, "Q8_M", _q5_k),
@@ -310,20 +331,22 @@ FORMATS = {
 }
 
 
-def _common(layouts: set) -> str:
-    """The one layout that holds blocks of all `layouts` exactly (the fused q/k/v and gate/up of a file whose
-    projections mix types, as Q4_K_M files do): bytes, with a minimum where one has it, two scales where one does."""
-    if len(layouts) == 1:
-        return next(iter(layouts))
-    minimum = any(KINDS[kind].minimum for kind in layouts)
-    if any(KINDS[kind].scales == 2 for kind in layouts):
-        return "Q8_16M" if minimum else "Q8_16"
-    return "Q8_M" if minimum else "Q8_0"
+def _common(kinds: set) -> str:
+    """The one layout that holds blocks of all `kinds` exactly (the fused q/k/v and gate/up of a file whose
+    projections mix types, as Q4_K_M files do): the most bits and scales of any, with a minimum where one has one
+    (a signed part's offset then becomes its minimum), else nibbles' offset of 8."""
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    layouts = [KINDS[kind] for kind in kinds]
+    bits, scales = max(layout.bits for layout in layouts), max(layout.scales for layout in layouts)
+    minimum = any(layout.minimum for layout in layouts)
+    offset = 0 if minimum or bits == 8 else 8
+    return kind_of(Layout(bits, minimum, scales, offset))
 
 
 class Blocks:
-    """One GGUF tensor's blocks in a tile layout (KINDS), row by row: q [N, K / 32 * bytes] (uint8), d and m
-    [N, K / 32 * scales] (float32; m zeros where the layout has none). `source`: the GGUF type they came from."""
+    """One GGUF tensor's blocks in a tile layout (KINDS), row by row: q [N, K / 32 * q_bytes] (uint8), d and m
+    [N, K / 32 * scales] (float32; m [N, 0] where the layout has no minimum). `source`: the GGUF type(s)."""
 
     def __init__(self, kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, source: str = ""):
         self.kind, self.q, self.d, self.m, self.source = kind, q, d, m, source or kind
@@ -340,38 +363,60 @@ class Blocks:
 
     @classmethod
     def of(cls, kind: str, q: np.ndarray, d: np.ndarray, m, source: str = "") -> "Blocks":
-        """Blocks of layout `kind` from integers q [N, B, 32] (or packed nibbles [N, B, 16]) and d, m [N, B, scales]
-        (m None: zeros)."""
+        """Blocks of layout `kind` for w = q * d + m: q integers [N, B, 32] (or the layout's own bytes, uint8
+        [N, B, q_bytes]), d and m [N, B, 1 or scales] (m None: none)."""
         layout = KINDS[kind]
-        n, blocks = q.shape[:2]
+        n = q.shape[0]
         if d.shape[2] != layout.scales:  # one scale a block, repeated for both halves
             d = np.repeat(d, layout.scales, axis=2)
             m = None if m is None else np.repeat(m, layout.scales, axis=2)
-        m = np.zeros_like(d) if m is None else m
-        if layout.q_bytes == 16:
-            packed = q if q.shape[-1] == 16 else (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+        if q.dtype == np.uint8 and q.shape[-1] == layout.q_bytes:
+            stored = q
+        elif layout.bits == 8:
+            if not layout.minimum and m is not None and np.any(m):
+                raise ValueError(f"layout {kind} has no minimum to hold")
+            stored = q.astype(np.int8).view(np.uint8)
         else:
-            packed = q.astype(np.int8).view(np.uint8)
-        return cls(kind, np.ascontiguousarray(packed.reshape(n, -1)), np.ascontiguousarray(d.reshape(n, -1), np.float32),
-                   np.ascontiguousarray(m.reshape(n, -1), np.float32), source)
+            values = q.astype(np.int16)
+            if not layout.minimum:  # (q - offset) * d
+                if m is not None and np.any(m):
+                    raise ValueError(f"layout {kind} has no minimum to hold")
+                values = values + layout.offset
+            elif values.min(initial=0) < 0:  # a signed part in a layout with a minimum: q + shift, m - shift * d
+                shift = 1 << (layout.bits - 1)
+                values = values + shift
+                m = (np.zeros_like(d) if m is None else m) - shift * d
+            if values.min(initial=0) < 0 or values.max(initial=0) >= 1 << layout.bits:
+                raise ValueError(f"values out of {kind}'s {layout.bits} bits")
+            stored = ((values[..., :16] & 15) | ((values[..., 16:] & 15) << 4)).astype(np.uint8)
+        if layout.minimum:
+            m = np.zeros_like(d) if m is None else m
+            minimums = np.ascontiguousarray(m.reshape(n, -1), np.float32)
+        else:
+            minimums = np.zeros((n, 0), np.float32)
+        return cls(kind, np.ascontiguousarray(stored.reshape(n, -1)), np.ascontiguousarray(d.reshape(n, -1), np.float32),
+                   minimums, source)
 
-    def integers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """q [N, B, 32] (int16), d and m [N, B, scales]: what `of` takes."""
+    def integers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """q [N, B, 32] (int16), d and m [N, B, scales] (m None where there is none) with w = q * d + m: what `of`
+        takes."""
         layout = KINDS[self.kind]
         n = self.q.shape[0]
-        if layout.q_bytes == 16:
-            q = _nibbles(self.q.reshape(n, -1, 16)).astype(np.int16)
+        stored = self.q.reshape(n, -1, layout.q_bytes)
+        blocks = stored.shape[1]
+        if layout.bits == 8:
+            q = stored.view(np.int8).astype(np.int16)
         else:
-            q = self.q.view(np.int8).reshape(n, -1, 32).astype(np.int16)
-        blocks = q.shape[1]
-        return q, self.d.reshape(n, blocks, layout.scales), self.m.reshape(n, blocks, layout.scales)
+            q = _nibbles(stored).astype(np.int16) - layout.offset
+        d = self.d.reshape(n, blocks, layout.scales)
+        return q, d, self.m.reshape(n, blocks, layout.scales) if layout.minimum else None
 
     def nbytes(self, q8: bool = False) -> int:
         """What the kernel reads of these blocks: the float tiles' float32 scales (and minimums), or q8's
         float16 scale and minimum."""
         if q8:
             return self.q.nbytes + self.d.size * 4
-        return self.q.nbytes + self.d.nbytes + (self.m.nbytes if KINDS[self.kind].minimum else 0)
+        return self.q.nbytes + self.d.nbytes + self.m.nbytes
 
     def take(self, ids) -> torch.Tensor:
         """The float32 values of rows `ids` (an embedding lookup in the blocks)."""
@@ -398,21 +443,22 @@ class Blocks:
         return Blocks(kind, *(np.concatenate([getattr(p, a) for p in parts]) for a in "qdm"), sources)
 
     def values(self) -> torch.Tensor:
-        """The weights [N, K] in float32, each q * d (+ m) rounded once as the kernel's fused multiply-add rounds it:
-        q * d is exact in float32 (a float16 scale, or one times a sub-block's 6 or 8-bit scale, times at most
-        8 bits), so adding m is the only rounding."""
+        """The weights [N, K] in float32, each q * d + m rounded once as the kernel's fused multiply-add rounds it
+        (formed exactly in float64: q * d has at most 25 significant bits)."""
         q, d, m = self.integers()
         n, blocks, scales = d.shape
-        w = (q.reshape(n, blocks, scales, 32 // scales).astype(np.float32) * d[..., None])
-        if KINDS[self.kind].minimum:
+        w = q.reshape(n, blocks, scales, 32 // scales).astype(np.float64) * d[..., None]
+        if m is not None:
             w += m[..., None]
-        return torch.from_numpy(w.reshape(n, blocks * 32))
+        return torch.from_numpy(w.reshape(n, blocks * 32).astype(np.float32))
 
     def weight(self, q8: bool = False) -> tuple:
-        """What `linear` takes, or with q8 what q8_tiles.linear takes."""
+        """What `linear` takes, or with q8 what q8_tiles.linear takes (its two layouts: Q4_1, Q8_0)."""
         if q8:
             from . import q8_tiles
-            return q8_tiles.repack(self.kind, self.q, self.d, self.m)
+
+            blocks = self.as_kind("Q4_1" if KINDS[self.kind].bits == 4 else "Q8_0")  # (Q4_0: m = -8 d)
+            return q8_tiles.repack(blocks.kind, blocks.q, blocks.d, blocks.m)
         return (self.q, self.d, self.m, tiles(self.kind))
 
 
@@ -495,10 +541,10 @@ def q8_problem(path: Path, q_scale: float) -> str | None:
     for name, tensor in tensors.items():
         parts = next((group for group in FUSED if any(f".{part}." in name for part in group)), ())
         prefix = name.split(".")[:2]
-        layouts = {FORMATS[tensors[t].tensor_type.name][2] for t in
+        nibbles = {KINDS[FORMATS[tensors[t].tensor_type.name][2]].bits == 4 for t in
                    (".".join(prefix + [part, "weight"]) for part in parts) if t in tensors}
-        if len(layouts) > 1:
-            return f"{'/'.join(parts)} of {'.'.join(prefix)} mix 4- and 8-bit blocks"
+        if len(nibbles) > 1:  # (the q8 tiles hold 4-bit blocks as nibbles, the others as bytes)
+            return f"{'/'.join(parts)} of {'.'.join(prefix)} mix 4-bit and wider blocks"
         if ".attn_q." in name and name.endswith(".weight"):
             raw = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, FORMATS[tensor.tensor_type.name][1])
             offsets = (0, 2) if tensor.tensor_type.name == "Q4_1" else (0,)  # d (and Q4_1's m)
