@@ -87,7 +87,7 @@ def _copy_tokenizer(writer, source: Path, vocab: int) -> None:
     with unused user-defined tokens to `vocab` entries (llama.cpp wants one per embedding row)."""
     import gguf
 
-    from ..forward.kernels.block_tiles import field
+    from ..forward.gguf_model import field
 
     reader = gguf.GGUFReader(str(source))
 

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import CodespecError
 from .kernels import block_tiles
+from .kernels.block_tiles import field  # (the file's metadata: for the bench's zoo too)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # the GGUF architectures read directly (the lean forward's)
 NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",  # GGUF -> transformers, per layer
