@@ -132,3 +132,16 @@ def test_metadata_fields_are_read_from_the_header(tmp_path):
     writer.close()
     assert block_tiles.field(tmp_path / "keyed.gguf", "qwen3.attention.key_length") == 32
     assert block_tiles.field(tmp_path / "keyed.gguf", "qwen3.rope.freq_base") == 1e6
+
+
+def test_released_pages_of_the_mapped_file_read_back_the_same(tmp_path):
+    """block_tiles.release gives a tensor's pages back once its blocks are copied (they counted in the process's
+    memory while mapped); reading the tensor again faults them back in from the file, unchanged."""
+    from codespec.forward.kernels import block_tiles
+
+    path = write_gguf(tmp_path / "model.gguf", tiny_arch_model("llama", dtype=torch.float32), permute=True)
+    reader = block_tiles._reader(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight")
+    before = np.array(tensor.data)
+    block_tiles.release(reader, tensor)
+    assert np.array_equal(np.array(tensor.data), before)

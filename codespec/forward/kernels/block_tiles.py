@@ -507,6 +507,24 @@ def architecture(path: Path) -> str:
     return field(path, "general.architecture") or "unknown"
 
 
+def release(reader, tensor) -> None:
+    """Give back the pages of the mapped file that `tensor` was read from (its blocks are copied into the tiles'
+    arrays): they count in the process's memory while mapped, and the reader stays cached. The kernel drops them
+    from this process (the page cache keeps them for the next load). A no-op where madvise is missing."""
+    import mmap
+
+    mapped = getattr(reader.data, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if mapped is None or advice is None:
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = -(-(tensor.data_offset + tensor.n_bytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+    try:
+        mapped.madvise(advice, start, min(end, len(mapped)) - start)
+    except (OSError, ValueError):
+        pass
+
+
 def unreadable(path: Path) -> str | None:
     """Why read_gguf cannot take `path`'s projections (a tensor in another format, a file it cannot parse), or
     None: what --weights auto asks before it picks the blocks."""
@@ -579,7 +597,9 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bo
     def blocks(name: str) -> Blocks:
         if name not in tensors:
             raise CodespecError(f"--weights gguf: {path.name} has no tensor {name}")
-        return Blocks.read(tensors[name])
+        found = Blocks.read(tensors[name])
+        release(reader, tensors[name])
+        return found
 
     def load(parameter: torch.Tensor, values: torch.Tensor, name: str) -> None:
         if direct:  # (its weights are placeholders: the blocks are the model)

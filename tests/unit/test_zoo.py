@@ -1,0 +1,40 @@
+"""`codespec bench --zoo` (codespec/bench/zoo.py): its random-weight GGUFs at published shapes load directly in
+codespec, with the shapes and tokenizer llama-server needs. (llama-quantize and llama-server are the bench's, built by
+build_llama_server: no test needs them.)"""
+
+import gguf
+import pytest
+
+from codespec.bench import zoo
+from codespec.errors import CodespecError
+from codespec.forward import gguf_model
+from codespec.forward.models import locate_default_gguf
+
+
+@pytest.mark.parametrize("arch, tied", [("qwen2", True), ("llama", False)])
+def test_a_zoo_file_has_the_shape_and_tokenizer_asked_for_and_loads_directly(tmp_path, arch, tied):
+    shape = zoo.Shape(arch, 64, 128, 2, 4, 2, 49200, tied, 1e6, 512)  # 48 unused tokens past the real vocabulary
+    path = zoo.write_random_gguf(shape, tmp_path / "tiny-F16.gguf", locate_default_gguf())
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == {name for name, _, _ in zoo.tensors(shape)}
+    assert ("output.weight" in tensors) == (not tied) and ("blk.0.attn_q.bias" in tensors) == (arch == "qwen2")
+    assert tuple(tensors["token_embd.weight"].shape) == (64, 49200)
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "F16"
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 49200
+    assert gguf_model.field(path, f"{arch}.attention.head_count_kv") == 2
+    assert gguf_model.direct_problem(path) == "token_embd.weight is F16"  # (llama-quantize makes the zoo's types)
+    if not tied:
+        return  # (transformers' tokenizer from a GGUF takes ~20 s on 2 cores: once is enough)
+    config, tokenizer = gguf_model.metadata(path, tmp_path / "meta")  # what transformers reads of it: the shape
+    assert (config.model_type, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
+        arch, 64, 128, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (4, 2, 49200)
+    assert len(tokenizer) == 49200 and tokenizer.decode(tokenizer("def f(x):")["input_ids"]) == "def f(x):"
+
+
+def test_the_zoo_names_what_it_cannot_run():
+    with pytest.raises(CodespecError, match="unknown llama-9b, Q3_K; shapes: qwen2.5-coder-0.5b"):
+        zoo.run(["llama-9b"], ["Q3_K"], None, None, 2)
+    with pytest.raises(CodespecError, match="pass --llama-server PATH"):
+        zoo.run(["smollm2-1.7b"], ["Q4_0"], None, None, 2)
