@@ -226,3 +226,15 @@ def test_q8_activations_take_only_the_files_whose_blocks_they_can_hold(tmp_path,
     assert not plans.q8_activations("float32", fine, 16)
     with pytest.raises(CodespecError, match="--activations q8 cannot take tiny_q.gguf: blk.0.attn_q.weight's scales"):
         plans.q8_activations("q8", tiny, 16)
+
+
+@pytest.mark.parametrize("kind", [Type.Q6_K, Type.Q4_0], ids=lambda kind: kind.name)
+def test_a_large_tensor_is_read_a_chunk_of_rows_at_a_time_into_the_same_blocks(kind, monkeypatch):
+    """Blocks.read decodes READ_ROWS rows at a time (a whole 152k-row output layer's temporaries took GBs): the same
+    bytes as one pass."""
+    weight = np.random.default_rng(6).standard_normal((50, 256)).astype(np.float32)
+    tensor = type("Tensor", (), {"name": "t", "tensor_type": kind, "data": quantize(weight, kind)})
+    whole = block_tiles.Blocks.read(tensor)
+    monkeypatch.setattr(block_tiles, "READ_ROWS", 16)
+    chunked = block_tiles.Blocks.read(tensor)
+    assert all(np.array_equal(getattr(whole, a), getattr(chunked, a)) for a in "qdm")

@@ -344,6 +344,9 @@ def _common(kinds: set) -> str:
     return kind_of(Layout(bits, minimum, scales, offset))
 
 
+READ_ROWS = 8192  # rows of a tensor decoded at a time (Blocks.read)
+
+
 class Blocks:
     """One GGUF tensor's blocks in a tile layout (KINDS), row by row: q [N, K / 32 * q_bytes] (uint8), d and m
     [N, K / 32 * scales] (float32; m [N, 0] where the layout has no minimum). `source`: the GGUF type(s)."""
@@ -358,8 +361,13 @@ class Blocks:
             raise CodespecError(f"--weights gguf reads {', '.join(FORMATS)} blocks; {tensor.name} is {source}")
         weights, size, kind, decode = FORMATS[source]
         raw = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, size)
-        q, d, m = decode(raw)
-        return cls.of(kind, q, d, m, source)
+        if raw.shape[0] <= READ_ROWS:
+            return cls.of(kind, *decode(raw), source)
+        # rows a chunk at a time: decoding a large tensor whole (a 152k-token output layer) took temporaries of
+        # several times its size (peak RSS 3.5 GB for a 1 GB file)
+        parts = [cls.of(kind, *decode(raw[start : start + READ_ROWS]), source)
+                 for start in range(0, raw.shape[0], READ_ROWS)]
+        return cls(kind, *(np.concatenate([getattr(p, a) for p in parts]) for a in "qdm"), source)
 
     @classmethod
     def of(cls, kind: str, q: np.ndarray, d: np.ndarray, m, source: str = "") -> "Blocks":
