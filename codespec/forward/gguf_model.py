@@ -9,7 +9,7 @@ file (block_tiles.read_gguf) and looks embeddings up in the file's own blocks. T
 (transformers builds both from the GGUF's `tokenizer.ggml.*` metadata) are saved beside the models the first time,
 so a second load reads neither the vocabulary arrays nor any weight through transformers.
 
-Measured on the default model (2-core AVX2 CPU): see docs/models.md. Where the settings need float weights
+Measured on the default model (2-core AVX2 CPU): see docs/forward.md, "A GGUF read directly". Where the settings need float weights
 (--weights checkpoint, --invariant off, bfloat16 prompts, a GPU, another dtype) or the file is another architecture,
 models.load converts the GGUF into a checkpoint as before."""
 
@@ -27,9 +27,10 @@ from .kernels import block_tiles
 from .kernels.block_tiles import field  # (the file's metadata: for the bench's zoo too)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # the GGUF architectures read directly (the lean forward's)
-NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",  # GGUF -> transformers, per layer
-         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-         "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+         "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+         "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+         "attn_k_norm.weight": "self_attn.k_norm.weight"}  # the small tensors read from the file, per layer
 
 
 def direct_problem(path: Path) -> Optional[str]:
@@ -96,11 +97,9 @@ def load(path: Path, folder: Path):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = {t.name: t for t in block_tiles._reader(path).tensors}
-    small = {"model.norm.weight": "output_norm.weight"}
-    for i in range(config.num_hidden_layers):
-        for gguf_name, name in NAMES.items():
-            small[f"model.layers.{i}.{name}.{'weight' if 'norm' in gguf_name else 'bias'}"] = f"blk.{i}.{gguf_name}." + (
-                "weight" if "norm" in gguf_name else "bias")
+    small = {"model.norm.weight": "output_norm.weight"} | {
+        f"model.layers.{i}.{name}": f"blk.{i}.{gguf_name}"
+        for i in range(config.num_hidden_layers) for gguf_name, name in NAMES.items()}
     for name, parameter in list(model.named_parameters()):
         module_name, _, attribute = name.rpartition(".")
         module = model.get_submodule(module_name)
@@ -138,9 +137,9 @@ def materialized(model):
     fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     small = {name: p for name, p in model.named_parameters() if p.untyped_storage().nbytes() > 4}
     fresh.load_state_dict(small, strict=False)
+    from .lean import rotary_order
+
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    half = head_dim // 2
-    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
-    block_tiles.read_gguf(path, fresh, order, 1.0, permuted=block_tiles.architecture(path) == "llama")
+    block_tiles.read_gguf(path, fresh, rotary_order(head_dim), 1.0, permuted=block_tiles.architecture(path) == "llama")
     fresh.generation_config = model.generation_config
     return fresh.eval()

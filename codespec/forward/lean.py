@@ -46,6 +46,12 @@ from .projections import Linear, bfloat16_weight, project
 from .rows import Rows, StaticCache
 
 
+def rotary_order(head_dim: int) -> torch.Tensor:
+    """Each head's rows reordered so that every rotated pair (i, i + head_dim / 2) sits side by side."""
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+
+
 def qk_norm(attn, heads: int, kv_heads: int, order: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
     """Qwen3's per-head q and k norm weights, one row per q head (times `scale`) then per k head, each reordered by
     `order` as the heads' rows are: [heads + kv_heads, head_dim]; None for a model without them."""
@@ -86,11 +92,10 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self.dtype = model.dtype
         self.device = model.device
-        half = self.head_dim // 2
         # Rotary embedding as a complex multiply needs each rotated pair adjacent: reorder the rows of the
         # q and k projections within every head from (0..half-1, half..dim-1) to interleaved pairs. Scores
         # q.k are unchanged because q and k are reordered alike. The 1/sqrt(head_dim) scale goes into W_q.
-        order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+        order = rotary_order(self.head_dim)
         scale = 1.0 / math.sqrt(self.head_dim)
         # Qwen3 normalises each q and k head (RMSNorm over head_dim) before the rotation: the scale goes into the q
         # norm's weights instead, since a norm undoes any scale of its input
