@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import platform
 import time
 from dataclasses import dataclass, field, replace
@@ -169,7 +170,8 @@ def cached_costs(path, model, vocab_size: int) -> CostModel:
                       getattr(path, "invariant", False),
                       str(getattr(path, "cache_dtype", "")),
                       torch.get_num_threads(),
-                      torch.__version__, platform.processor(), platform.node(), list(SIZES), forward_code()])
+                      torch.__version__, platform.processor(), platform.node(), os.environ.get("CODESPEC_CPU", ""),
+                      list(SIZES), forward_code()])
     file = codespec_home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     try:
         data = json.loads(file.read_text())

@@ -25,7 +25,7 @@ PROMPT_PRECISION_CHOICES = ("auto", "float32", "bfloat16")  # the projections of
 CACHE_TYPES = ("auto", "f32", "f16", "q8")  # the KV cache's element type (llama.cpp's --cache-type-k/-v); f32: the model's
 # dtype; auto: f16 where the CPU attention kernel reads it (float32 on CPUs, lean forward), else f32
 ACTIVATIONS_CHOICES = ("auto", "float32", "q8")  # what a GGUF's blocks multiply (q8_tiles.py): q8 rounds the inputs to 8 bits
-# per block of 32, as llama.cpp does, and sums in exact integers (VNNI); auto: q8 where the CPU has AVX512-VNNI
+# per block of 32, as llama.cpp does, and sums in exact integers; auto: q8 where the CPU has AVX2 (or AVX512-VNNI)
 DRAFT_MAX_LIMIT = 256  # longest draft a user may ask for; verifying more costs more than it can save
 MIN_TEMPERATURE = 1e-3  # smallest temperature but 0 (greedy): float32 logits / 1e-39 overflow to inf
 MAX_TEMPERATURE = 100.0  # (also rejects inf and NaN)

@@ -77,7 +77,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "about 2x slower on AVX2 CPUs); off: long prompt chunks in faster GEMMs whose bits "
                              "depend on the chunk")
     parser.add_argument("--activations", choices=ACTIVATIONS_CHOICES,
-                        help="what a GGUF's blocks multiply: auto (default: q8 where the CPU has AVX512-VNNI), q8 "
+                        help="what a GGUF's blocks multiply: auto (default: q8 where the CPU has AVX2 or AVX512-VNNI), q8 "
                              "(inputs rounded to 8 bits per 32 and exact integer sums, as llama.cpp multiplies them) "
                              "or float32")
 

@@ -18,7 +18,7 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   reading a GGUF's own 4- and 8-bit blocks (block_tiles.py; the default model's, with --weights auto or gguf) or
   bfloat16-valued weights as 16 bits (the converted checkpoint's). Long prompt chunks (compute-bound) may take
   a copy of the projections in bfloat16 instead, in a forward of their own (--prompt-precision). With q8
-  activations (q8_tiles.py; the default on CPUs with AVX512-VNNI) every forward runs in numba, prompts included, and
+  activations (q8_tiles.py; the default on x86 CPUs with AVX2) every forward runs in numba, prompts included, and
   every sequence but a prompt chunk attends in attention.py's kernel: verifies of any length are batch-invariant.
 - `TransformersForward` runs anything else through the model's own forward with transformers' cache,
   built so that a rollback works on every layer type (`TransformersCache`).
@@ -470,7 +470,7 @@ class TransformersForward:
 
 
 def q8_available() -> bool:
-    """Whether this CPU has the instructions the q8 activations' kernels need (AVX512-VNNI)."""
+    """Whether this CPU has the instructions the q8 activations' kernels need (AVX2 or AVX512-VNNI)."""
     return q8_tiles.available()
 
 

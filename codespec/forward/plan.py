@@ -109,17 +109,17 @@ def lean_unsupported(model) -> Optional[str]:
 
 
 def q8_activations(activations: str, gguf: Optional[Path], head_dim: int) -> bool:
-    """Whether the GGUF's blocks multiply activations rounded to 8 bits (q8; auto: on CPUs with AVX512-VNNI, for the
+    """Whether the GGUF's blocks multiply activations rounded to 8 bits (q8; auto: on CPUs with AVX2 or AVX512-VNNI, for the
     files whose blocks the q8 tiles take: block_tiles.q8_problem)."""
     if gguf is None:
         if activations == "q8":
             raise CodespecError("--activations q8 multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
         return False
     if activations == "q8" and not q8_tiles.available():
-        raise CodespecError("--activations q8 needs a CPU with AVX512-VNNI; use --activations float32")
+        raise CodespecError("--activations q8 needs an x86 CPU with AVX2 (this one lacks avx2); use --activations float32")
     if activations == "float32" or not q8_tiles.available():
         return False
-    problem = block_tiles.q8_problem(gguf, 1.0 / head_dim ** 0.5)
+    problem = block_tiles.q8_problem(gguf, 1.0 / head_dim ** 0.5, q8_tiles.instruction_set())
     if problem is not None and activations == "q8":
         raise CodespecError(f"--activations q8 cannot take {gguf.name}: {problem}; use --activations float32")
     return problem is None
@@ -127,9 +127,11 @@ def q8_activations(activations: str, gguf: Optional[Path], head_dim: int) -> boo
 
 def cache_of(cache_type: str, cache_kernel: bool, q8: bool, head_dim: int) -> str:
     """The KV cache's elements for --cache-type (auto: f16 wherever attention.py runs, else the model's dtype)."""
-    if cache_type == "q8" and not (cache_kernel and q8 and head_dim % 64 == 0):
+    if cache_type == "q8" and not (cache_kernel and q8 and head_dim % 64 == 0
+                                   and capabilities.available("q8 cache attention")):
         raise CodespecError("--cache-type q8 runs where every forward runs in numba: with --weights gguf and "
-                            "--activations q8 (a CPU with AVX512-VNNI), for head sizes that are a multiple of 64")
+                            "--activations q8, on a CPU with AVX512-VNNI (the cache's scores), for head sizes that are a "
+                            "multiple of 64")
     if cache_type == "f16" and not cache_kernel:
         raise CodespecError("--cache-type f16 runs on CPUs in float32 (numba's OpenMP pool), with a head size "
                             "that is a multiple of 16")

@@ -203,7 +203,7 @@ def test_q8_activations_take_only_the_files_whose_blocks_they_can_hold(tmp_path,
     """The q8 tiles keep float16 scales in two layouts: a file of another type, a q/k/v fused from 4- and 8-bit
     blocks, or q's scales times 1/sqrt(head_dim) below float16's normal range (the default model requantized to
     Q8_0: `the scales are not float16 values`, an internal error) runs float32 activations under auto, and an
-    explicit --activations q8 is one line. (The plan only: the q8 kernels themselves need AVX512-VNNI.)"""
+    explicit --activations q8 is one line, on VNNI CPUs. The AVX2 tiles take them all. (The plan only.)"""
     from codespec.forward import plan as plans
 
     model = tiny_arch_model("llama", dtype=torch.float32)
@@ -221,7 +221,12 @@ def test_q8_activations_take_only_the_files_whose_blocks_they_can_hold(tmp_path,
     tiny = write_gguf(tmp_path / "tiny_q.gguf", model, True, Type.Q8_0)
     assert block_tiles.q8_problem(tiny, scale) == ("blk.0.attn_q.weight's scales times 1/sqrt(head_dim) are not "
                                                    "float16 values")
-    monkeypatch.setattr(plans.q8_tiles, "available", lambda: True)  # as on a CPU with AVX512-VNNI
+    for blocks in (fine, k, mixed, tiny):
+        assert block_tiles.q8_problem(blocks, scale, "avx2") is None
+    monkeypatch.setattr(plans.q8_tiles, "instruction_set", lambda: "avx2")  # as on a CPU with AVX2 only
+    assert plans.q8_activations("auto", tiny, 16) and plans.q8_activations("auto", k, 16)
+    monkeypatch.setattr(plans.q8_tiles, "instruction_set", lambda: "vnni")  # as on a CPU with AVX512-VNNI
+    monkeypatch.setattr(plans.q8_tiles, "available", lambda: True)
     assert plans.q8_activations("auto", fine, 16) and not plans.q8_activations("auto", tiny, 16)
     assert not plans.q8_activations("float32", fine, 16)
     with pytest.raises(CodespecError, match="--activations q8 cannot take tiny_q.gguf: blk.0.attn_q.weight's scales"):

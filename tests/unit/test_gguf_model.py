@@ -47,7 +47,7 @@ def test_a_gguf_read_directly_holds_no_float_weights_and_gives_the_logits_of_the
     assert torch.equal(loaded.model.layers[1].input_layernorm.weight, model.model.layers[1].input_layernorm.weight)
     lean = forward_path(loaded, invariant=True)  # the file's blocks (the plan takes the model's own file)
     assert isinstance(lean, LeanLlama) and lean.direct and lean.plan.weights == "gguf blocks" and lean.plan.invariant
-    reference = forward_path(model, gguf=path, activations="float32", invariant=True)
+    reference = forward_path(model, gguf=path, activations="auto", invariant=True)
     prompt, draft = list(range(5, 45)), [11, 12, 13, 14, 15]  # 40 rows: a prompt chunk past layers.FEW_ROWS
     caches = [lean.new_cache(), reference.new_cache()]
     for cache, path_ in zip(caches, (lean, reference)):
@@ -110,7 +110,7 @@ def test_materialized_gives_transformers_the_files_values(tmp_path, kind):
     for (name, mine), theirs in zip(full.named_parameters(), model.parameters()):
         assert torch.equal(mine, theirs), name
     ids = list(range(5, 25))
-    lean = forward_path(loaded, invariant=True, cache_type="f32")  # (f16 keys and values round more)
+    lean = forward_path(loaded, invariant=True, cache_type="f32", activations="float32")  # (f16 keys and values round more)
     logits = full(torch.tensor([ids])).logits[0, -1]
     assert (logits - lean(lean.new_cache(), ids, 1)[0]).abs().max().item() < 2e-4
 

@@ -12,6 +12,8 @@ from codespec.forward.kernels import q8_tiles
 AVX2 = "haswell"
 AVX512 = "znver4"  # AVX512-VNNI and AVX512-BF16
 HASWELL = {"avx", "avx2", "fma", "f16c", "bmi2", "openmp"}  # what an AVX2 laptop has (and numba's pool)
+AVX2_FORMS = [q8_tiles.Form(True), q8_tiles.Form(True, wide=True), q8_tiles.Form(False, minimum=False),
+              q8_tiles.Form(False, 1, True, True), q8_tiles.Form(False, 2, False, True), q8_tiles.Form(False, 2, True, True)]
 # every LLVM IR module codespec compiles, by its entry in the capability table
 MODULES = {
     "silu": lambda: layers.SILU_IR,
@@ -20,7 +22,9 @@ MODULES = {
     "float block tiles": lambda: block_tiles.FMA_DECLARATION + "".join(  # every layout's
         block_tiles.source(kind, block_tiles.tile_rows(False))[0].split("\n", 1)[1] for kind in block_tiles.KINDS),
     "four-row block tiles": lambda: block_tiles.source("Q4_1", [4, 3])[0],
-    "q8 block tiles": lambda: q8_tiles.source("Q4_1")[0],
+    "q8 block tiles": lambda: q8_tiles.DECLARATIONS["avx2"] + "".join(  # every form the AVX2 tiles hold blocks in
+        q8_tiles.source(form, "avx2")[0].removeprefix(q8_tiles.DECLARATIONS["avx2"]) for form in AVX2_FORMS),
+    "q8 block tiles, vnni": lambda: q8_tiles.source(q8_tiles.Form(True), "vnni")[0],
     "prompt attention": lambda: prompt_attention.source(64),
 }
 
@@ -47,7 +51,7 @@ def test_every_ir_module_compiles_for_an_avx2_cpu_or_the_table_keeps_it_off(kern
 
 
 def test_the_avx512_tiles_compile_for_zen4_with_their_instructions():
-    assert "vpdpbusd" in native.assembly(q8_tiles.source("Q4_1")[0], AVX512)
+    assert "vpdpbusd" in native.assembly(q8_tiles.source(q8_tiles.Form(True), "vnni")[0], AVX512)
     assert "vpdpbusd" in native.assembly(attention_tiles.source(64, q8=True)[0], AVX512)
     assembly = native.assembly(prompt_attention.source(64), AVX512)
     assert "vdpbf16ps" in assembly and "vscalef" not in assembly  # exp_ir's 2^n from exponent bits, anywhere
@@ -60,11 +64,46 @@ def test_asking_for_instructions_this_cpu_lacks_is_an_error_not_an_abort():
             native.compile_ir("define void @f() {\n  ret void\n}\n", ["f"], "test")
     finally:
         del capabilities.NEEDS["test"]
-    assert q8_tiles.available() == capabilities.host_has("avx512vnni")
+    assert q8_tiles.available() == capabilities.host_has("avx2")
+    assert q8_tiles.instruction_set() == ("vnni" if capabilities.host_has("avx512vnni") else
+                                          "avx2" if capabilities.host_has("avx2") else None)
     assert prompt_attention.available() == capabilities.host_has("avx512bf16")
     rows = attention_tiles.kernels(64).shape[0]
     assert rows == (3 if capabilities.host_has("avx512vnni") else 2)  # the q8 cache's tiles only where they run
     assert list(block_tiles.ROWS) == ([4, 3, 2, 1] if capabilities.host_has("avx512f") else [2, 1])
+
+
+@pytest.mark.parametrize("form", AVX2_FORMS, ids=lambda form: form.name)
+def test_the_q8_tiles_for_avx2_form_their_integer_sums_in_vpmaddubsw(form):
+    """AVX2 has no vpdpbusd: unsigned bytes times signed bytes in vpmaddubsw, widened by vpmaddwd; signed bytes
+    through their magnitudes and vpsignb (q8_tiles._avx2_sums), never a 512-bit register."""
+    assembly = native.assembly(q8_tiles.source(form, "avx2")[0], AVX2)
+    assert "vpmaddubsw" in assembly and "vpmaddwd" in assembly and no_512_bit_registers(assembly)
+    assert ("vpsignb" in assembly) == (not form.nibbles)
+
+
+def test_codespec_cpu_avx2_runs_the_avx2_kernels_on_a_higher_cpu(monkeypatch):
+    """CODESPEC_CPU=avx2 turns AVX-512 (and AVX-VNNI, AMX) off in the capability table and in the features the IR is
+    compiled for, so the AVX2 kernels run, and are measured, on an AVX-512 machine; an unknown value is one line."""
+    from codespec.errors import CodespecError
+
+    def fresh():
+        for cached in (capabilities.host_features, capabilities.host_has, capabilities.available):
+            cached.cache_clear()
+    try:
+        monkeypatch.setenv("CODESPEC_CPU", "avx2")
+        fresh()
+        assert not any(have for name, have in capabilities.host_features().items() if name.startswith("avx512"))
+        assert q8_tiles.instruction_set() == ("avx2" if capabilities.host_has("avx2") else None)
+        machine = native.target_machine()  # this CPU's, as the tiles are compiled: no 512-bit register
+        assert no_512_bit_registers(machine.emit_assembly(native.optimised(MODULES["float block tiles"](), machine)))
+        monkeypatch.setenv("CODESPEC_CPU", "pentium")
+        fresh()
+        with pytest.raises(CodespecError, match="CODESPEC_CPU=pentium: use one of native, avx2"):
+            capabilities.host_features()
+    finally:
+        monkeypatch.delenv("CODESPEC_CPU")
+        fresh()
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q8_M", "Q8_16"])

@@ -79,14 +79,22 @@ def test_a_row_gets_the_same_bits_in_any_chunk():
     assert torch.equal(later, whole[20:]) and torch.equal(alone, whole[33:34])
 
 
+def q8_forward(tmp_path, model, activations="q8"):
+    """The forward these tests check, its bfloat16 tiles compiled first: on a CPU without AVX512-BF16 that is a
+    MissingInstructions naming it (the forward itself would attend in PyTorch there, and check nothing here)."""
+    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations=activations)
+    if activations == "q8":
+        prompt_attention.kernels(lean.head_dim)
+    return lean
+
+
 @pytest.mark.parametrize("activations", [
     pytest.param("q8", marks=pytest.mark.needs_kernels("q8 block tiles", "prompt attention")), "float32"])
 def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeypatch, activations):
     """q8 activations: chunks of more than layers.FEW_ROWS prompt rows attend in the bfloat16 tiles (where the CPU
     has them: monkeypatched away, PyTorch's attention); float32 activations keep PyTorch's float32 attention. The
     tiles leave their layouts on the cache."""
-    model = tiny_arch_model("llama", dtype=torch.float32)
-    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations=activations)
+    lean = q8_forward(tmp_path, tiny_arch_model("llama", dtype=torch.float32), activations)
     ids = list(range(3, 43))
     cache = lean.new_cache()
     logits = lean.batch([Rows(cache, ids, len(ids), prompt=True)])[0]
@@ -102,8 +110,7 @@ def test_prompt_chunks_with_q8_activations_attend_in_the_tiles(tmp_path, monkeyp
 def test_prompt_chunks_batched_together_get_the_bits_they_get_alone(tmp_path):
     """A prompt chunk alone runs its layers in one numba call (layers._prompt_layers); with another sequence in the
     forward, layer by layer from Python (layers._attend_apart): the same numbers either way."""
-    model = tiny_arch_model("llama", dtype=torch.float32)
-    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
+    lean = q8_forward(tmp_path, tiny_arch_model("llama", dtype=torch.float32))
     first, second = list(range(3, 43)), [(7 * i) % 90 + 3 for i in range(30)]
     alone = [lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True)])[0] for ids in (first, second)]
     together = lean.batch([Rows(lean.new_cache(), ids, len(ids), prompt=True) for ids in (first, second)])
@@ -117,7 +124,7 @@ def test_a_prompts_split_into_chunks_does_not_change_its_logits(tmp_path):
     from codespec.forward.kernels import layers
 
     model = tiny_arch_model("llama", dtype=torch.float32, context=2048)
-    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
+    lean = q8_forward(tmp_path, model)
     outputs = 2 * model.config.intermediate_size
     assert layers._mlp_rows(1200, outputs) < 1200 and layers._mlp_rows(1200, outputs) % 8 == 0
     assert layers._mlp_rows(16, outputs) == 16
@@ -133,8 +140,7 @@ def test_kept_layouts_follow_crops_and_moves(tmp_path):
     """A cache keeps its keys laid out for the tiles between prompt chunks (prompt_attention.Laid): after a crop and
     another text, and after keys moved into it, a chunk gives the bits that a fresh cache holding the same keys
     gives; decoding drops the layouts."""
-    model = tiny_arch_model("llama", dtype=torch.float32, context=2048)
-    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=True), activations="q8")
+    lean = q8_forward(tmp_path, tiny_arch_model("llama", dtype=torch.float32, context=2048))
 
     def chunks(cache, ids, size=40):
         return torch.cat([lean.batch([Rows(cache, ids[i : i + size], len(ids[i : i + size]), prompt=True)])[0]

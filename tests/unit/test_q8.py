@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from codespec.forward.kernels import q8_tiles
+from codespec.forward.kernels import block_tiles, q8_tiles
 from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 from codespec.forward import Rows, forward_path
@@ -25,8 +25,10 @@ def rounded_reference(x: np.ndarray) -> np.ndarray:
 def test_rounding_keeps_each_block_within_half_a_step_and_sums_its_integers():
     x = np.random.default_rng(0).standard_normal((3, 96)).astype(np.float32)
     x[1, 32:64] = 0  # an all-zero block: scale 0, no division by zero
-    xq, xd, xs = q8_tiles.rounded8(x)
+    xq, xd, xs, xh = q8_tiles.rounded8(x)
     assert xq.dtype == np.int8 and np.abs(xq).max() == 127
+    halves = xq.reshape(3, 6, 16).sum(axis=2).astype(np.float32)  # each half block's sum, times its block's xd
+    assert np.array_equal(xh, (xd.repeat(2, axis=1) * halves).astype(np.float32))
     back = xq.astype(np.float64).reshape(3, 3, 32) * xd[:, :, None]
     assert np.all(np.abs(back.reshape(3, 96) - x) <= xd.repeat(32, axis=1) / 2 + 1e-7)
     assert np.array_equal(xs, (xd * xq.reshape(3, 3, 32).sum(axis=2)).astype(np.float32))
@@ -37,14 +39,34 @@ def test_rounding_keeps_each_block_within_half_a_step_and_sums_its_integers():
 
 
 @pytest.mark.needs_kernels("q8 block tiles")
-@pytest.mark.parametrize("kind, outputs", [("Q4_1", 48), ("Q4_1", 45), ("Q8_0", 40)])
+@pytest.mark.parametrize("kind, outputs, wide", [
+    ("Q4_1", 48, False), ("Q4_1", 45, False), ("Q8_0", 40, False), ("Q4_0", 33, False), ("Q4_1", 32, True),
+    ("Q8_0", 16, True), ("Q8_M", 35, True), ("Q8_16", 48, True), ("L8mx2o0", 17, True), ("Q8_M", 20, False)])
 def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets_the_same_bits_in_any_batch(
-        kind, outputs):
-    """Integer sums are exact, and each (row, column) then takes the same float steps in every tile of one to eight
-    rows: 19 rows (8 + 8 + 3) give each row what it gets alone. 45 and 40 columns: the last group padded."""
+        kind, outputs, wide):
+    """Integer sums are exact, and each (row, column) then takes the same float steps in every tile, of one to
+    eight rows (VNNI) or one to four (AVX2): 19 rows give each row what it gets alone. 45, 40, 35, 33 and 17
+    columns: the last group padded. Extreme blocks too: inputs at +-127 against the largest weights (an AVX2 sum of
+    16-bit pairs that could saturate would show here). On AVX2 every layout runs (K-quants' sub-block scales are
+    float32, `wide`; Q6_K's scale per 16 weights; the mixed layout of a Q4_K_M file's fused q/k/v); the VNNI tiles
+    refuse all but Q4_1's and Q8_0's layouts with float16 scales (q8_problem keeps such files off them)."""
+    if kind not in block_tiles.KINDS:
+        block_tiles.kind_of(block_tiles.Layout(8, True, 2))
     blocks = random_blocks(kind, outputs, 192)
+    q, d, m = blocks.integers()
+    layout = block_tiles.KINDS[kind]
+    q[:3] = {4: 15 - layout.offset, 8: -128}[layout.bits]  # the largest weight magnitudes each layout holds
+    if wide:  # scales of more bits than float16's (a K-quant's d times a 6-bit integer)
+        d = d * np.float32(1 + 2 ** -20)
+    blocks = block_tiles.Blocks.of(kind, q, d, m, blocks.source)
+    if q8_tiles.instruction_set() == "vnni" and (wide or kind not in ("Q4_1", "Q4_0", "Q8_0")):
+        with pytest.raises(ValueError, match="float16 values|one scale a block|bytes without a minimum"):
+            blocks.weight(q8=True)
+        return
     weight = blocks.weight(q8=True)
     x = np.random.default_rng(1).standard_normal((19, 192)).astype(np.float32)
+    x[:4, :64] = np.where(x[:4, :64] > 0, 1.0, -1.0)  # rounded to +-127
+    x[4, :], x[5, :] = 1.0, -1.0
     together = q8_tiles.linear(x, weight)
     assert together.shape == (19, outputs)
     expected = rounded_reference(x) @ blocks.values().double().numpy().T
@@ -54,11 +76,19 @@ def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets
                               together[first : first + count])
 
 
-def test_the_repacked_scales_must_be_float16_values():
+def test_the_vnni_tiles_take_float16_scales_and_the_avx2_tiles_any(monkeypatch):
+    """The VNNI tiles hold d and m as float16 (q8_problem keeps other files off them); AVX2's hold float32 where a
+    scale is not a float16 value."""
     blocks = random_blocks("Q4_1", 16, 64)
-    blocks.d[0, 0] = 1 / 3  # not a float16 value: the file's scales always are
+    blocks.d[0, 0] = 1 / 3  # not a float16 value
+    monkeypatch.setattr(q8_tiles, "tiles", lambda form: form)  # (the form, not compiled: either set, on any CPU)
+    monkeypatch.setattr(q8_tiles, "instruction_set", lambda: "vnni")
     with pytest.raises(ValueError, match="float16"):
         blocks.weight(q8=True)
+    monkeypatch.setattr(q8_tiles, "instruction_set", lambda: "avx2")
+    assert blocks.weight(q8=True)[2] == q8_tiles.Form(nibbles=True, wide=True)
+    blocks.d[0, 0] = 0.25
+    assert blocks.weight(q8=True)[2] == q8_tiles.Form(nibbles=True, wide=False)
 
 
 @pytest.mark.needs_kernels("q8 block tiles")

@@ -15,9 +15,9 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
   Q6_K's six less 32 with a scale per 16 weights, Q8_0). A fused q/k/v or gate/up whose parts differ (Q4_K_M
   keeps some v and down projections in Q6_K) takes the one layout that holds them all. The 5- and 6-bit types
   read a byte a weight: more than the file's 5.5-6.6 bits, fewer than 16.
-- **Or activations rounded to 8 bits** (--activations q8, the default on CPUs with AVX512-VNNI): q8_tiles.py repacks
-  the Q4_0, Q4_1, Q5_0 and Q8_0 blocks for its integer kernels (q8_problem says which files it takes); the float
-  tiles below are then not built.
+- **Or activations rounded to 8 bits** (--activations q8, the default on x86 CPUs with AVX2): q8_tiles.py
+  repacks the blocks for its integer kernels: every layout on AVX2, the Q4_0, Q4_1, Q5_0 and Q8_0 blocks with
+  float16 scales on AVX512-VNNI (q8_problem says which files those take); the float tiles below are then not built.
 - **The float32 weights are the same numbers.** The model's float32 parameters are overwritten with the
   dequantised blocks (each q * d + m rounded once, as the kernel's fused multiply-add rounds it), so forwards over
   more rows (prompts, long verifies in PyTorch) and the kernel multiply by the same weights. A q/k scale that is
@@ -419,11 +419,8 @@ class Blocks:
         d = self.d.reshape(n, blocks, layout.scales)
         return q, d, self.m.reshape(n, blocks, layout.scales) if layout.minimum else None
 
-    def nbytes(self, q8: bool = False) -> int:
-        """What the kernel reads of these blocks: the float tiles' float32 scales (and minimums), or q8's
-        float16 scale and minimum."""
-        if q8:
-            return self.q.nbytes + self.d.size * 4
+    def nbytes(self) -> int:
+        """What the float tiles read of these blocks: q and the float32 scales (and minimums)."""
         return self.q.nbytes + self.d.nbytes + self.m.nbytes
 
     def take(self, ids) -> torch.Tensor:
@@ -461,12 +458,13 @@ class Blocks:
         return torch.from_numpy(w.reshape(n, blocks * 32).astype(np.float32))
 
     def weight(self, q8: bool = False) -> tuple:
-        """What `linear` takes, or with q8 what q8_tiles.linear takes (its two layouts: Q4_1, Q8_0)."""
+        """What `linear` takes, or with q8 what q8_tiles.linear takes (nibbles 0..15 with a minimum, or bytes)."""
         if q8:
             from . import q8_tiles
 
-            blocks = self.as_kind("Q4_1" if KINDS[self.kind].bits == 4 else "Q8_0")  # (Q4_0: m = -8 d)
-            return q8_tiles.repack(blocks.kind, blocks.q, blocks.d, blocks.m)
+            bits = KINDS[self.kind].bits
+            blocks = self.as_kind("Q4_1") if bits == 4 else self  # (Q4_0: m = -8 d)
+            return q8_tiles.repack(bits, *blocks.integers())
         return (self.q, self.d, self.m, tiles(self.kind))
 
 
@@ -554,11 +552,13 @@ Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # the types whose layout (Q4_1, Q8_
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # the projections the forward fuses into one
 
 
-def q8_problem(path: Path, q_scale: float) -> str | None:
-    """Why q8_tiles cannot take `path`'s blocks, or None. It takes the types of Q8_TYPES, each fused projection
-    all in one layout, with every scale (and minimum) a float16 value: q's scales times `q_scale` (the forward's
-    1/sqrt(head_dim), folded into them) too, which fails where a scale is so small that the product is a subnormal
-    float16 (a Q8_0 file of the default model did)."""
+def q8_problem(path: Path, q_scale: float, isa: str = "vnni") -> str | None:
+    """Why q8_tiles cannot take `path`'s blocks, or None. The AVX2 tiles take every layout. The VNNI ones take the
+    types of Q8_TYPES, each fused projection all in one layout, with every scale (and minimum) a float16 value: q's
+    scales times `q_scale` (the forward's 1/sqrt(head_dim), folded into them) too, which fails where a scale is so
+    small that the product is a subnormal float16 (a Q8_0 file of the default model did)."""
+    if isa == "avx2":
+        return None
     tensors = {t.name: t for t in _reader(path).tensors}
     for name, tensor in tensors.items():
         kind = tensor.tensor_type.name

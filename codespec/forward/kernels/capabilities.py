@@ -8,6 +8,7 @@ Features are LLVM's names ("avx512vnni", ...), and "openmp" for a numba thread p
 from __future__ import annotations
 
 import functools
+import os
 
 import numba
 
@@ -18,9 +19,14 @@ NEEDS = {
     "silu": (),  # layers.py's SiLU times up: plain IR, any target
     "float block tiles": (),  # block_tiles.py: a GGUF's blocks times float32 rows, plain 16-lane IR
     "four-row block tiles": ("avx512f",),  # their 3- and 4-row tiles: four rows' sums fit only 32 vector registers
-    "q8 block tiles": ("avx512vnni",),  # q8_tiles.py: a GGUF's blocks times rows rounded to 8 bits, vpdpbusd
+    "q8 block tiles": ("avx2",),  # q8_tiles.py: a GGUF's blocks times rows rounded to 8 bits, vpmaddubsw
+    "q8 block tiles, vnni": ("avx512vnni",),  # the same tiles in vpdpbusd, where the CPU has it
     "prompt attention": ("avx512bf16",),  # prompt_attention.py: bfloat16 pairs, vdpbf16ps
 }
+
+
+# CODESPEC_CPU: run a lower instruction set on a higher CPU (tests, benches): the LLVM features it turns off, by prefix
+LOWER = {"native": (), "avx2": ("avx512", "avxvnni", "amx")}
 
 
 class MissingInstructions(RuntimeError):
@@ -33,13 +39,26 @@ def host_has(feature: str) -> bool:
     parallel loops on a pool that pays."""
     if feature == "openmp":
         return _pool_pays()
+    return host_features().get(feature, False)
+
+
+@functools.cache
+def host_features() -> dict:
+    """This CPU's features as LLVM names them ({name: bool}), less those CODESPEC_CPU turns off ({} without
+    llvmlite, or on a target it does not know: the PyTorch paths instead)."""
+    lowered = os.environ.get("CODESPEC_CPU", "native").lower()
+    if lowered not in LOWER:
+        from ...errors import CodespecError
+
+        raise CodespecError(f"CODESPEC_CPU={lowered}: use one of {', '.join(LOWER)}")
     try:
         import llvmlite.binding as llvm
 
         llvm.initialize_native_target()
-        return bool(llvm.get_host_cpu_features().get(feature, False))
-    except Exception:  # noqa: BLE001 - no llvmlite, or a target it does not know: the PyTorch paths instead
-        return False
+        features = dict(llvm.get_host_cpu_features())
+    except Exception:  # noqa: BLE001
+        return {}
+    return {name: have and not name.startswith(LOWER[lowered]) for name, have in features.items()}
 
 
 def missing(kernel: str, have=None) -> list[str]:

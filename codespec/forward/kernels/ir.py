@@ -14,11 +14,11 @@ FMA = "@llvm.fma.v16f32"
 FMA_DECLARATION = f"declare {VECTOR} {FMA}({VECTOR}, {VECTOR}, {VECTOR})\n"
 
 
-def splat(name: str, pointer: str, vector: str, scalar: str) -> str:
-    """%name = the `scalar` at `pointer` in every lane of `vector` (16 lanes)."""
+def splat(name: str, pointer: str, vector: str, scalar: str, count: int = 16) -> str:
+    """%name = the `scalar` at `pointer` in every lane of `vector` (`count` lanes)."""
     return (f"  %{name}.s = load {scalar}, ptr {pointer}, align 4\n"
             f"  %{name}.v = insertelement {vector} poison, {scalar} %{name}.s, i64 0\n"
-            f"  %{name} = shufflevector {vector} %{name}.v, {vector} poison, <16 x i32> zeroinitializer\n")
+            f"  %{name} = shufflevector {vector} %{name}.v, {vector} poison, <{count} x i32> zeroinitializer\n")
 
 
 # 2^f on [-1/2, 1/2]: a degree-5 polynomial fitted for relative error on Chebyshev nodes (within 1.5e-7)

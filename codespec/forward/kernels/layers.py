@@ -276,8 +276,15 @@ class Weights:
         self.projections = numba.typed.List([_kernel_weight(w, q8) for w in projections])
         self.final_norm = final_norm.detach().float().contiguous().numpy()
         self.head = _kernel_weight(head, q8)
-        self.nbytes = sum(w.nbytes(q8) if isinstance(w, block_tiles.Blocks) else w.numel() * 2  # what a forward reads
-                          for w in projections + [head])
+        self.nbytes = sum(_reads(w, k, q8) for w, k in zip(projections + [head], list(self.projections) + [self.head]))
+
+
+def _reads(weight, kernel_weight, q8: bool) -> int:
+    """The bytes a forward reads of one projection: 16 bits a weight, the float tiles' blocks and float32 scales, or
+    q8_tiles' repacked blocks and scales."""
+    if not isinstance(weight, block_tiles.Blocks):
+        return weight.numel() * 2
+    return kernel_weight[0].nbytes + kernel_weight[1].nbytes if q8 else weight.nbytes()
 
 
 def _kernel_weight(weight, q8: bool):

@@ -22,8 +22,9 @@ def target_machine(cpu: str | None = None, features: str | None = None):
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    if cpu is None:
-        cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    if cpu is None:  # this CPU, less what CODESPEC_CPU turns off
+        cpu = llvm.get_host_cpu_name()
+        features = ",".join(("+" if have else "-") + name for name, have in capabilities.host_features().items())
     return llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features or "", opt=3)
 
 

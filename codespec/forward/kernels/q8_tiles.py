@@ -24,6 +24,7 @@ The rounding changes the numbers the model multiplies (as it does in llama.cpp),
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numba
@@ -31,70 +32,105 @@ import numpy as np
 from numba import prange
 
 from . import capabilities
-from .ir import FMA_DECLARATION, splat
+from .ir import FMA_DECLARATION, lanes, splat
 from .native import call, compile_ir
 
 COLUMNS = 16  # output columns a tile computes (one 16-lane vector)
-MAX_ROWS = 8  # the most rows a tile takes: each step's weights serve them all
 STEP_BYTES = 64  # one step: four weights of each of 16 columns
-STEPS = {"Q4_1": 4, "Q8_0": 8}  # 64-byte vectors a block of 32 weights x 16 columns takes
 CHUNK_BYTES = 24 * 1024  # a thread takes as many column groups as fit in this much L1 at a time
 
 
-def tile_ir(name: str, kind: str, rows: int) -> str:
-    """LLVM IR of @name(x, K, q, s, g, out, N, r, xd, xs): out[r + j, 16 g .. 16 g + 15] for `rows` rows j of
-    rounded inputs x [rows, K] (int8; xd, xs [rows, K / 32]) and column group g's repacked blocks (q: STEPS[kind]
-    64-byte steps per block, s: per block 16 d then 16 m as float16)."""
-    steps = STEPS[kind]
-    block_bytes = steps * STEP_BYTES
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """How `repack` holds a tensor's blocks: 4-bit nibbles (0..15) or bytes (signed values stored plus 128); one
+    scale a block of 32 or two (one per 16 weights); a minimum (w = q d + m) or none; scales as float16 (the
+    file's own, where they are float16 values) or float32 (wide: K-quants' sub-block scales, d times a 6-bit
+    integer). Per block and column group: `steps` 64-byte steps, then `slots` vectors of 16 scales (the d's, then
+    the m's)."""
+    nibbles: bool
+    scales: int = 1
+    minimum: bool = True
+    wide: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{'n' if self.nibbles else 'b'}{self.scales}{'m' if self.minimum else ''}{'w' if self.wide else 'h'}"
+
+    @property
+    def steps(self) -> int:
+        return 4 if self.nibbles else 8
+
+    @property
+    def slots(self) -> int:
+        return self.scales * (2 if self.minimum else 1)
+
+
+def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
+    """LLVM IR of @name(x, K, q, s, g, out, N, r, xd, xs, xh): out[r + j, 16 g .. 16 g + 15] for `rows` rows j of
+    rounded inputs x [rows, K] (int8; xd, xs [rows, K / 32], xh [rows, K / 16]: rounded8) and column group g's
+    repacked blocks (q: form.steps 64-byte steps per block, s: form.slots vectors of 16 scales per block), with the
+    integer sums of ISAS[isa]."""
+    scalar = "float" if form.wide else "half"
+    block_bytes = form.steps * STEP_BYTES
     text = (f"define void @{name}(ptr noalias %x, i64 %K, ptr noalias %q, ptr noalias %s, i64 %g, ptr noalias %out, "
-            f"i64 %N, i64 %r, ptr noalias %xd, ptr noalias %xs) {{\nentry:\n  %blocks = udiv i64 %K, 32\n"
-            f"  %gb = mul i64 %g, %blocks\n")
+            f"i64 %N, i64 %r, ptr noalias %xd, ptr noalias %xs, ptr noalias %xh) {{\nentry:\n"
+            f"  %blocks = udiv i64 %K, 32\n  %gb = mul i64 %g, %blocks\n")
     for j in range(rows):
         text += (f"  %r{j} = add i64 %r, {j}\n  %xo{j} = mul i64 %r{j}, %K\n"
                  f"  %x{j} = getelementptr i8, ptr %x, i64 %xo{j}\n  %bo{j} = mul i64 %r{j}, %blocks\n"
                  f"  %xd{j} = getelementptr float, ptr %xd, i64 %bo{j}\n"
-                 f"  %xs{j} = getelementptr float, ptr %xs, i64 %bo{j}\n")
+                 f"  %xs{j} = getelementptr float, ptr %xs, i64 %bo{j}\n  %ho{j} = mul i64 %bo{j}, 2\n"
+                 f"  %xh{j} = getelementptr float, ptr %xh, i64 %ho{j}\n")
     text += "  br label %loop\nloop:\n  %b = phi i64 [ 0, %entry ], [ %b.next, %loop ]\n"
     for j in range(rows):
         text += f"  %a{j} = phi <16 x float> [ zeroinitializer, %entry ], [ %a{j}.next, %loop ]\n"
     text += (f"  %gbb = add i64 %gb, %b\n  %qo = mul i64 %gbb, {block_bytes}\n"
              f"  %qp = getelementptr i8, ptr %q, i64 %qo\n")
     weights = []  # (step, vector name) for the block's 8 steps of 4 weights
-    for p in range(steps):
+    for p in range(form.steps):
         text += (f"  %qp{p} = getelementptr i8, ptr %qp, i64 {p * STEP_BYTES}\n"
                  f"  %qv{p} = load <64 x i8>, ptr %qp{p}, align 1\n")
-        if kind == "Q4_1":  # step p in the low nibbles, step p + 4 in the high ones
+        if form.nibbles:  # step p in the low nibbles, step p + 4 in the high ones
             text += (f"  %w{p} = and <64 x i8> %qv{p}, splat (i8 15)\n"
                      f"  %w{p + 4} = lshr <64 x i8> %qv{p}, splat (i8 4)\n")
             weights += [(p, f"%w{p}"), (p + 4, f"%w{p + 4}")]
         else:
             weights.append((p, f"%qv{p}"))
-    text += (f"  %so = mul i64 %gbb, 32\n  %sp = getelementptr half, ptr %s, i64 %so\n"
-             f"  %dh = load <16 x half>, ptr %sp, align 2\n  %d = fpext <16 x half> %dh to <16 x float>\n"
-             f"  %mp = getelementptr half, ptr %sp, i64 16\n  %mh = load <16 x half>, ptr %mp, align 2\n"
-             f"  %m = fpext <16 x half> %mh to <16 x float>\n  %xb = mul i64 %b, 32\n")
+    text += f"  %so = mul i64 %gbb, {16 * form.slots}\n  %sp = getelementptr {scalar}, ptr %s, i64 %so\n"
+    slots = [f"%d{i}" for i in range(form.scales)] + [f"%m{i}" for i in range(form.scales if form.minimum else 0)]
+    for i, slot in enumerate(slots):
+        text += (f"  {slot}.p = getelementptr {scalar}, ptr %sp, i64 {16 * i}\n"
+                 f"  {slot}{'' if form.wide else '.h'} = load <16 x {scalar}>, ptr {slot}.p, align 2\n")
+        if not form.wide:
+            text += f"  {slot} = fpext <16 x half> {slot}.h to <16 x float>\n"
+    text += "  %xb = mul i64 %b, 32\n  %hb = mul i64 %b, 2\n"
+    weights = sorted(weights)
+    if isa == "avx2":
+        text += _avx2_weights(form, weights)
     for j in range(rows):
-        chains = {0: "zeroinitializer", 1: "zeroinitializer"}  # two independent integer sums (exact in any order)
-        for step, vector in sorted(weights):
-            chain = step // 4
-            text += (f"  %xo{j}_{step} = add i64 %xb, {4 * step}\n"
-                     f"  %xp{j}_{step} = getelementptr i8, ptr %x{j}, i64 %xo{j}_{step}\n")
-            text += splat(f"xi{j}_{step}", f"%xp{j}_{step}", "<16 x i32>", "i32")
-            text += (f"  %xv{j}_{step} = bitcast <16 x i32> %xi{j}_{step} to <64 x i8>\n"
-                     f"  %c{j}_{step} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {chains[chain]}, "
-                     f"<64 x i8> {vector}, <64 x i8> %xv{j}_{step})\n")
-            chains[chain] = f"%c{j}_{step}"
-        text += (f"  %ci{j} = add <16 x i32> {chains[0]}, {chains[1]}\n"
-                 f"  %cf{j} = sitofp <16 x i32> %ci{j} to <16 x float>\n"
-                 f"  %xdp{j} = getelementptr float, ptr %xd{j}, i64 %b\n")
-        text += splat(f"xdv{j}", f"%xdp{j}", "<16 x float>", "float")
-        text += (f"  %sc{j} = fmul <16 x float> %d, %xdv{j}\n"
-                 f"  %t{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %cf{j}, <16 x float> %sc{j}, "
-                 f"<16 x float> %a{j})\n  %xsp{j} = getelementptr float, ptr %xs{j}, i64 %b\n")
-        text += splat(f"xsv{j}", f"%xsp{j}", "<16 x float>", "float")
-        text += (f"  %a{j}.next = call <16 x float> @llvm.fma.v16f32(<16 x float> %m, <16 x float> %xsv{j}, "
-                 f"<16 x float> %t{j})\n")
+        # %ci{j}_{part}: the 16 columns' integer sums over the block (part 0), or over each half (parts 0, 1)
+        text += (_vnni_sums if isa == "vnni" else _avx2_sums)(form, weights, j)
+        text += f"  %xdp{j} = getelementptr float, ptr %xd{j}, i64 %b\n" + splat(f"xdv{j}", f"%xdp{j}",
+                                                                                    "<16 x float>", "float")
+        total = f"%a{j}"
+        for part in range(form.scales):  # out += float(sum) * (d * xd), per scale
+            text += (f"  %cf{j}_{part} = sitofp <16 x i32> %ci{j}_{part} to <16 x float>\n"
+                     f"  %sc{j}_{part} = fmul <16 x float> %d{part}, %xdv{j}\n"
+                     f"  %t{j}_{part} = call <16 x float> @llvm.fma.v16f32(<16 x float> %cf{j}_{part}, "
+                     f"<16 x float> %sc{j}_{part}, <16 x float> {total})\n")
+            total = f"%t{j}_{part}"
+        for part in range(form.scales if form.minimum else 0):  # out += m * xd * sum(xq), per scale
+            if form.scales == 1:
+                text += f"  %xsp{j} = getelementptr float, ptr %xs{j}, i64 %b\n"
+                text += splat(f"xsv{j}_{part}", f"%xsp{j}", "<16 x float>", "float")
+            else:
+                text += (f"  %xho{j}_{part} = add i64 %hb, {part}\n"
+                         f"  %xhp{j}_{part} = getelementptr float, ptr %xh{j}, i64 %xho{j}_{part}\n")
+                text += splat(f"xsv{j}_{part}", f"%xhp{j}_{part}", "<16 x float>", "float")
+            text += (f"  %u{j}_{part} = call <16 x float> @llvm.fma.v16f32(<16 x float> %m{part}, "
+                     f"<16 x float> %xsv{j}_{part}, <16 x float> {total})\n")
+            total = f"%u{j}_{part}"
+        text = text.replace(f"  {total} = call", f"  %a{j}.next = call")  # the last step's sum, carried
     text += ("  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n"
              "  br i1 %done, label %end, label %loop\nend:\n  %col = mul i64 %g, 16\n")
     for j in range(rows):
@@ -104,42 +140,146 @@ def tile_ir(name: str, kind: str, rows: int) -> str:
     return text + "  ret void\n}\n"
 
 
-DECLARATIONS = (FMA_DECLARATION + "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n")
+def _row_inputs(j: int, step: int, lanes: int) -> str:
+    """%xv{j}_{step}: row j's four inputs of `step` (4 bytes) in every 32-bit lane of `lanes` lanes."""
+    text = (f"  %xo{j}_{step} = add i64 %xb, {4 * step}\n"
+            f"  %xp{j}_{step} = getelementptr i8, ptr %x{j}, i64 %xo{j}_{step}\n")
+    text += splat(f"xi{j}_{step}", f"%xp{j}_{step}", f"<{lanes} x i32>", "i32", lanes)
+    return text + f"  %xv{j}_{step} = bitcast <{lanes} x i32> %xi{j}_{step} to <{lanes * 4} x i8>\n"
+
+
+def _vnni_sums(form: Form, weights: list, j: int) -> str:
+    """%ci{j}_0: row j's 16 integer sums for the block, one vpdpbusd per step (64 products: the stored bytes,
+    unsigned, times the signed inputs) in two independent chains (exact in any order). Forms of one scale."""
+    chains = {0: "zeroinitializer", 1: "zeroinitializer"}
+    text = ""
+    for step, vector in weights:
+        text += _row_inputs(j, step, 16)
+        text += (f"  %c{j}_{step} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {chains[step // 4]}, "
+                 f"<64 x i8> {vector}, <64 x i8> %xv{j}_{step})\n")
+        chains[step // 4] = f"%c{j}_{step}"
+    return text + f"  %ci{j}_0 = add <16 x i32> {chains[0]}, {chains[1]}\n"
+
+
+def _avx2_weights(form: Form, weights: list) -> str:
+    """Each step's 64 bytes as two 32-byte halves %h{step}_{half} (columns 0-7, 8-15), shared by the rows; for bytes
+    the signed weights %h{step}_{half}.s (the stored bytes less 128) and their magnitudes %h{step}_{half}.a."""
+    text = ""
+    for step, vector in weights:
+        for half in (0, 1):
+            name = f"%h{step}_{half}"
+            text += (f"  {name} = shufflevector <64 x i8> {vector}, <64 x i8> poison, "
+                     f"<32 x i32> <{lanes(range(32 * half, 32 * half + 32))}>\n")
+            if not form.nibbles:
+                text += (f"  {name}.s = xor <32 x i8> {name}, splat (i8 -128)\n"
+                         f"  {name}.a = call <32 x i8> @llvm.abs.v32i8(<32 x i8> {name}.s, i1 false)\n")
+    return text
+
+
+def _avx2_sums(form: Form, weights: list, j: int) -> str:
+    """%ci{j}_{part}: row j's 16 integer sums in AVX2's vpmaddubsw (unsigned bytes times signed bytes, pairs added
+    into 16-bit lanes, saturating) and vpmaddwd (16-bit pairs added into 32 bits). No sum saturates, so each is
+    exact:
+    - nibbles (0..15 times |x| <= 127): a pair is at most 3,810 and a block's 16 products per lane 30,480, so the
+      16-bit sums of all 8 steps are added before one vpmaddwd per half;
+    - bytes (signed, down to -128: a pair of 128 x 127 is 32,512): the weights' magnitudes times the inputs with the
+      weights' signs (vpsignb: llama.cpp's way), widened every step, summed per part (per 16 weights for forms
+      of two scales)."""
+    text = ""
+    parts = {}  # part -> [lower columns' sum, upper columns' sum]
+    for half in (0, 1):
+        previous = {}
+        for step, _ in weights:
+            if half == 0:
+                text += _row_inputs(j, step, 8)
+            name = f"%p{j}_{step}_{half}"
+            part = step * form.scales // 8
+            if form.nibbles:
+                text += (f"  {name} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %h{step}_{half}, "
+                         f"<32 x i8> %xv{j}_{step})\n")
+                vector = "<16 x i16>"
+            else:
+                text += (f"  {name}.x = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %xv{j}_{step}, "
+                         f"<32 x i8> %h{step}_{half}.s)\n"
+                         f"  {name}.m = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %h{step}_{half}.a, "
+                         f"<32 x i8> {name}.x)\n"
+                         f"  {name} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {name}.m, "
+                         f"<16 x i16> splat (i16 1))\n")
+                vector = "<8 x i32>"
+            if part in previous:
+                text += f"  {name}.sum = add {vector} {previous[part]}, {name}\n"
+                name += ".sum"
+            previous[part] = name
+        for part, name in previous.items():
+            if form.nibbles:
+                text += (f"  {name}.w = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {name}, "
+                         f"<16 x i16> splat (i16 1))\n")
+                name += ".w"
+            parts.setdefault(part, []).append(name)
+    for part, (lower, upper) in parts.items():
+        text += (f"  %ci{j}_{part} = shufflevector <8 x i32> {lower}, <8 x i32> {upper}, "
+                 f"<16 x i32> <{lanes(range(16))}>\n")
+    return text
+
+
+ISAS = {  # the integer dot products' instruction sets: their entries in the capability table, the most rows a tile takes
+    "vnni": ("q8 block tiles, vnni", 8),  # AVX512-VNNI's vpdpbusd: 32 registers of 16 lanes
+    "avx2": ("q8 block tiles", 4),  # AVX2's vpmaddubsw and vpmaddwd (x86-64-v3): 16 registers of 8 lanes; 2 and 8
+    # rows measured slower over 4 and 16 rows (the Qwen2.5-Coder-0.5B shape's MLP, 2-core AVX2)
+}
+VNNI_FORMS = (Form(True), Form(False))  # the forms the VNNI tiles take: Q4_1's, Q8_0's (m = -128 d), float16 scales
+DECLARATIONS = {
+    "vnni": FMA_DECLARATION + "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n",
+    "avx2": FMA_DECLARATION + "declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)\n"
+    "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"
+    "declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)\ndeclare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)\n",
+}
+
+
+def instruction_set() -> str | None:
+    """The integer dot products this CPU runs the tiles in (capabilities.py: VNNI where present, else AVX2), or
+    None where it has neither (an ARM64 CPU: float32 activations)."""
+    return next((isa for isa, (kernel, _) in ISAS.items() if capabilities.available(kernel)), None)
 
 
 def available() -> bool:
-    """Whether this CPU has the 512-bit VNNI instructions the tiles use (capabilities.py)."""
-    return capabilities.available("q8 block tiles")
+    """Whether this CPU runs the tiles (AVX2 or AVX512-VNNI)."""
+    return instruction_set() is not None
 
 
-def source(kind: str) -> tuple[str, list[str]]:
-    """The IR module of `kind`'s tiles for 1..MAX_ROWS rows and their names."""
-    names = [f"q8_{kind.lower()}_{rows}" for rows in range(1, MAX_ROWS + 1)]
-    return DECLARATIONS + "".join(tile_ir(name, kind, rows)
-                                  for name, rows in zip(names, range(1, MAX_ROWS + 1))), names
+def source(form: Form, isa: str) -> tuple[str, list[str]]:
+    """The IR module of `form`'s tiles in instruction set `isa` for 1..ISAS[isa][1] rows, and their names."""
+    names = [f"q8_{form.name}_{isa}_{rows}" for rows in range(1, ISAS[isa][1] + 1)]
+    return DECLARATIONS[isa] + "".join(tile_ir(name, form, rows, isa)
+                                       for rows, name in enumerate(names, start=1)), names
 
 
 @functools.cache
-def tiles(kind: str) -> np.ndarray:
-    """The addresses of `kind`'s tiles for 1..MAX_ROWS rows (entry i takes i + 1 rows), compiled for this CPU."""
-    return compile_ir(*source(kind), "q8 block tiles")
+def tiles(form: Form) -> np.ndarray:
+    """The addresses of `form`'s tiles for one row and more (entry i takes i + 1 rows), compiled for this CPU."""
+    isa = instruction_set()
+    if isa is None:
+        capabilities.check("q8 block tiles")  # MissingInstructions, naming what the AVX2 tiles need
+    return compile_ir(*source(form, isa), ISAS[isa][0])
 
 
 @numba.njit(cache=True, boundscheck=False)  # no fastmath: 127 / a rounds as written
-def _round_row(x, r, xq, xd, xs):
-    """Row r of x rounded to 8 bits per block of 32 into xq, xd and xs (see rounded8)."""
+def _round_row(x, r, xq, xd, xs, xh):
+    """Row r of x rounded to 8 bits per block of 32 into xq, xd, xs and xh (see rounded8)."""
     for b in range(xd.shape[1]):
         top = np.float32(0.0)
         for i in range(b * 32, b * 32 + 32):
             top = max(top, abs(x[r, i]))
         inverse = np.float32(127.0) / top if top > 0 else np.float32(0.0)
-        total = 0
+        halves = [0, 0]
         for i in range(b * 32, b * 32 + 32):
             value = np.int32(np.rint(x[r, i] * inverse))
             xq[r, i] = value
-            total += value
+            halves[(i - b * 32) // 16] += value
         xd[r, b] = top / np.float32(127.0)
-        xs[r, b] = xd[r, b] * np.float32(total)
+        xs[r, b] = xd[r, b] * np.float32(halves[0] + halves[1])
+        xh[r, 2 * b] = xd[r, b] * np.float32(halves[0])
+        xh[r, 2 * b + 1] = xd[r, b] * np.float32(halves[1])
 
 
 PARALLEL_ROWS = 8  # from this many rows, rows are rounded in parallel
@@ -148,68 +288,75 @@ PARALLEL_ROWS = 8  # from this many rows, rows are rounded in parallel
 @numba.njit(parallel=True, cache=True, boundscheck=False)
 def rounded8(x):
     """x [rows, K] rounded to 8 bits per block of 32: xq (int8), xd = a / 127 and xs = xd * sum(xq) [rows, K / 32],
-    where a is the block's largest magnitude and xq = rint(x * 127 / a)."""
+    and xh [rows, K / 16], xd times each half's sum, where a is the block's largest magnitude and
+    xq = rint(x * 127 / a)."""
     rows, size = x.shape
     xq = np.empty((rows, size), dtype=np.int8)
     xd = np.empty((rows, size // 32), dtype=np.float32)
     xs = np.empty((rows, size // 32), dtype=np.float32)
+    xh = np.empty((rows, size // 16), dtype=np.float32)
     if rows >= PARALLEL_ROWS:
         for r in prange(rows):
-            _round_row(x, r, xq, xd, xs)
+            _round_row(x, r, xq, xd, xs, xh)
     else:  # a parallel region costs more than a few rows
         for r in range(rows):
-            _round_row(x, r, xq, xd, xs)
-    return xq, xd, xs
+            _round_row(x, r, xq, xd, xs, xh)
+    return xq, xd, xs, xh
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False)
 def linear(x, weight):
     """x [rows, K] (float32, contiguous) times the repacked weight (q, s, tiles, N, groups a chunk): [rows, N]."""
     q, s, tile, outputs, chunk_groups = weight
-    xq, xd, xs = rounded8(x)
+    xq, xd, xs, xh = rounded8(x)
     rows, size = x.shape
     groups = q.shape[0]
     out = np.empty((rows, groups * COLUMNS), dtype=np.float32)
     for chunk in prange((groups + chunk_groups - 1) // chunk_groups):
         # the addresses are taken here, in the loop: taken before it, numba may free the arrays once they are read
-        X, Q, S, O, XD, XS = xq.ctypes.data, q.ctypes.data, s.ctypes.data, out.ctypes.data, xd.ctypes.data, \
-            xs.ctypes.data
+        X, Q, S, O, XD, XS, XH = xq.ctypes.data, q.ctypes.data, s.ctypes.data, out.ctypes.data, xd.ctypes.data, \
+            xs.ctypes.data, xh.ctypes.data
         r = 0
         while r < rows:
-            take = min(MAX_ROWS, rows - r)
+            take = min(len(tile), rows - r)
             for g in range(chunk * chunk_groups, min(groups, chunk * chunk_groups + chunk_groups)):
-                call(tile[take - 1], X, size, Q, S, g, O, groups * COLUMNS, r, XD, XS)
+                call(tile[take - 1], X, size, Q, S, g, O, groups * COLUMNS, r, XD, XS, XH)
             r += take
     if outputs == groups * COLUMNS:
         return out
     return np.ascontiguousarray(out[:, :outputs])
 
 
-def repack(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple:
-    """A GGUF tensor's blocks (block_tiles.Blocks' q, d, m: [N, ...]) as `linear` takes them. Columns are padded to a
-    multiple of 16 with zero weights."""
-    n, blocks = d.shape
-    if kind == "Q4_1":  # byte i of a block: weight i (low nibble), weight 16 + i (high)
-        values = np.concatenate([q.reshape(n, blocks, 16) & 15, q.reshape(n, blocks, 16) >> 4], axis=2)
-        minimum = m
-    else:  # signed bytes stored plus 128 (unsigned, as vpdpbusd takes them): w = (q + 128) d - 128 d
-        values = (q.view(np.int8).reshape(n, blocks, 32).astype(np.int16) + 128).astype(np.uint8)
-        minimum = -128 * d
+def repack(bits: int, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> tuple:
+    """A GGUF tensor's blocks as `linear` takes them: bits 4 (q the nibbles 0..15, with a minimum m) or 8 (q signed
+    bytes); q [N, B, 32] integers, d and m [N, B, scales] (block_tiles.Blocks.integers; m None: none). Columns are
+    padded to a multiple of 16 with zero weights. The VNNI tiles take one scale a block, as float16 values
+    (VNNI_FORMS; ValueError otherwise: q8_problem checks a file first)."""
+    n, blocks, scales = d.shape
+    isa = instruction_set() or "avx2"
+    values = q.astype(np.int16) + (0 if bits == 4 else 128)  # (bytes: signed values stored plus 128)
+    if isa == "vnni" and bits == 8:  # vpdpbusd takes the stored bytes as they are: w = (q + 128) d - 128 d
+        if m is not None:
+            raise ValueError("the VNNI tiles take bytes without a minimum")
+        m = -128 * d
+    slots = [d] + ([] if m is None else [m])
+    wide = not all(np.array_equal(slot.astype(np.float16).astype(np.float32), slot) for slot in slots)
+    form = Form(bits == 4, scales, m is not None, wide)
+    if isa == "vnni" and form not in VNNI_FORMS:
+        raise ValueError("the scales are not float16 values" if form.scales == 1
+                         else "the VNNI tiles take one scale a block")
     groups = -(-n // COLUMNS)
     padded = groups * COLUMNS
-    values = np.concatenate([values, np.zeros((padded - n, blocks, 32), np.uint8)]).astype(np.uint8)
-    scales = np.zeros((padded, blocks, 2), np.float16)
-    scales[:n, :, 0], scales[:n, :, 1] = d, minimum
-    if not (np.array_equal(scales[:n, :, 0].astype(np.float32), d)
-            and np.array_equal(scales[:n, :, 1].astype(np.float32), minimum)):
-        raise ValueError("the scales are not float16 values")
+    values = np.concatenate([values, np.zeros((padded - n, blocks, 32), np.int16)]).astype(np.uint8)
+    held = np.zeros((padded, blocks, len(slots) * scales), np.float32 if wide else np.float16)
+    held[:n] = np.concatenate(slots, axis=2)
     # [group, column, block, step, 4 weights] -> [group, block, step, column, 4 weights]
     steps = values.reshape(groups, COLUMNS, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
-    if kind == "Q4_1":  # step p (low nibble) with step p + 4 (high nibble)
-        packed = steps[:, :, :4] | (steps[:, :, 4:] << 4)
-    else:
-        packed = steps
-    packed = np.ascontiguousarray(packed).reshape(groups, -1)
-    s = np.ascontiguousarray(scales.reshape(groups, COLUMNS, blocks, 2).transpose(0, 2, 3, 1)).reshape(groups, -1)
-    group_bytes = packed.shape[1] + s.nbytes // groups
-    return (packed, s.view(np.uint16), tiles(kind), n, max(1, CHUNK_BYTES // group_bytes))
+    if form.nibbles:  # step p (low nibble) with step p + 4 (high nibble)
+        steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
+    packed = np.ascontiguousarray(steps).reshape(groups, -1)
+    # [group, column, block, slot] -> [group, block, slot, column]
+    held = np.ascontiguousarray(held.reshape(groups, COLUMNS, blocks, -1).transpose(0, 2, 3, 1)).reshape(groups, -1)
+    held = held.view(np.uint8)
+    group_bytes = packed.shape[1] + held.shape[1]
+    return (packed, held, tiles(form), n, max(1, CHUNK_BYTES // group_bytes))
