@@ -104,8 +104,9 @@ class LeanLlama:
         if self.qk_norms[0] is not None:
             scale = 1.0
         blocks = None  # --weights gguf: the file's own blocks, whose values replace the model's weights first
+        self.gguf_source = (plan.gguf, model, order, scale)  # (read again where q8's repacked copies replaced them)
         if plan.gguf is not None:
-            blocks = block_tiles.read_gguf(plan.gguf, model, order, scale)
+            blocks = block_tiles.read_gguf(*self.gguf_source)
         inner = model.model
         self.layer_count = len(inner.layers)
         # a model read directly from its GGUF (gguf_model.py) has no float weights: only the blocks' kernels run
@@ -177,10 +178,16 @@ class LeanLlama:
         self.q8 = plan.activations == "q8"
         if previous is None or (previous.weights, previous.activations) != (plan.weights, plan.activations):
             # (built only when what the kernels read changes: ~1 s of numba typed lists)
+            if self.blocks is not None and "layers" not in self.blocks:  # given up for q8's copies: read again
+                self.blocks = block_tiles.read_gguf(*self.gguf_source)
             if self.blocks is not None:
-                projections, head = [b for layer in self.blocks["layers"] for b in layer], self.blocks["head"]
+                # with q8 the repacked copies replace the blocks, each given up as it is repacked (layers.Weights):
+                # a load holds one copy of the weights
+                kept = self.blocks.pop("layers") if self.q8 else self.blocks["layers"]
+                projections, head = [b for layer in kept for b in layer], self.blocks["head"]
+                del kept
             else:
-                projections, head = self.projections, self.lm_head.weight
+                projections, head = list(self.projections), self.lm_head.weight  # (a list Weights consumes)
             self.kernel_weights = (layers.Weights(self._norms, self.biases, projections, self.norm, head, q8=self.q8,
                                                   qk_norms=self.qk_norms)
                                    if plan.weights != "checkpoint" else None)

@@ -163,3 +163,19 @@ def test_speculative_and_plain_greedy_agree_on_rounded_activations_with_long_dra
     spec = engine.generate(prompt, params, spec=SpecConfig(spec=("prompt-lookup",), draft_max=32, adaptive=False))
     assert max(rows) > 16  # a verify forward of more rows than layers.FEW_ROWS
     assert spec.tokens == plain.tokens
+
+
+@pytest.mark.needs_kernels("q8 block tiles")
+def test_q8_keeps_one_copy_of_the_weights_and_reads_the_blocks_again_for_float_activations(tmp_path):
+    """The repacked copies replace the file's blocks (a load holds one copy); switching to float32 activations on a
+    running forward reads the blocks again, and each setting gives the logits of a forward built with it."""
+    model = tiny_arch_model("llama", dtype=torch.float32)
+    path = write_gguf(tmp_path / "tiny.gguf", model, permute=True)
+    lean = forward_path(model, gguf=path, activations="q8")
+    assert lean.blocks is not None and "layers" not in lean.blocks
+    ids = [5, 17, 3, 99, 42, 7]
+    for activations in ("float32", "q8"):
+        lean.use_activations(activations)
+        fresh = forward_path(model, gguf=path, activations=activations)
+        assert torch.equal(lean(lean.new_cache(), ids, 2), fresh(fresh.new_cache(), ids, 2))
+    assert "layers" not in lean.blocks

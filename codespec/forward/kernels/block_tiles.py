@@ -463,8 +463,11 @@ class Blocks:
             from . import q8_tiles
 
             bits = KINDS[self.kind].bits
-            blocks = self.as_kind("Q4_1") if bits == 4 else self  # (Q4_0: m = -8 d)
-            return q8_tiles.repack(bits, *blocks.integers())
+
+            def integers(first: int, last: int) -> tuple:
+                rows = self.rows(slice(first, last))
+                return (rows.as_kind("Q4_1") if bits == 4 else rows).integers()  # (Q4_0: m = -8 d)
+            return q8_tiles.repack(bits, self.q.shape[0], integers)
         return (self.q, self.d, self.m, tiles(self.kind))
 
 

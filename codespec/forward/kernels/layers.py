@@ -263,7 +263,8 @@ def high_halves(weight: torch.Tensor) -> np.ndarray:
 class Weights:
     """A Llama-family model's weights as the kernels take them: per layer two norms, the q/k/v bias (or none) and
     the q/k/v, o, gate/up and down projections; then the final norm and the output layer. Each projection is a
-    float32 tensor of bfloat16 values (kept as 16 bits) or a GGUF's blocks (block_tiles.Blocks)."""
+    float32 tensor of bfloat16 values (kept as 16 bits) or a GGUF's blocks (block_tiles.Blocks). `projections` is
+    consumed: each entry is let go once its kernels' copy is made (with q8, a repacked copy: the blocks can go)."""
 
     def __init__(self, norms: list[torch.Tensor], biases: list, projections: list,
                  final_norm: torch.Tensor, head, q8: bool = False, qk_norms: Optional[list] = None):
@@ -273,10 +274,15 @@ class Weights:
                                         for b in biases])
         self.qk_norms = numba.typed.List([NO_QK_NORM if n is None else n.detach().float().contiguous().numpy()
                                           for n in (qk_norms or [None] * len(biases))])
-        self.projections = numba.typed.List([_kernel_weight(w, q8) for w in projections])
+        kernel, self.nbytes = [], 0  # nbytes: what a forward reads
+        for i, weight in enumerate(projections):
+            kernel.append(_kernel_weight(weight, q8))
+            self.nbytes += _reads(weight, kernel[-1], q8)
+            projections[i] = None
+        self.projections = numba.typed.List(kernel)
         self.final_norm = final_norm.detach().float().contiguous().numpy()
         self.head = _kernel_weight(head, q8)
-        self.nbytes = sum(_reads(w, k, q8) for w, k in zip(projections + [head], list(self.projections) + [self.head]))
+        self.nbytes += _reads(head, self.head, q8)
 
 
 def _reads(weight, kernel_weight, q8: bool) -> int:

@@ -327,36 +327,55 @@ def linear(x, weight):
     return np.ascontiguousarray(out[:, :outputs])
 
 
-def repack(bits: int, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> tuple:
-    """A GGUF tensor's blocks as `linear` takes them: bits 4 (q the nibbles 0..15, with a minimum m) or 8 (q signed
-    bytes); q [N, B, 32] integers, d and m [N, B, scales] (block_tiles.Blocks.integers; m None: none). Columns are
+REPACK_ROWS = 4096  # rows repacked at a time (a multiple of COLUMNS): a 152k-row output layer's temporaries stay small
+
+
+def repack(bits: int, rows: int, integers) -> tuple:
+    """A GGUF tensor's blocks as `linear` takes them, from `integers(first, last)`: (q, d, m) of rows first..last,
+    q [rows, B, 32] integers (bits 4: nibbles 0..15, with a minimum m; bits 8: signed bytes), d and m
+    [rows, B, scales] (block_tiles.Blocks.integers; m None: none), taken REPACK_ROWS rows at a time. Columns are
     padded to a multiple of 16 with zero weights. The VNNI tiles take one scale a block, as float16 values
     (VNNI_FORMS; ValueError otherwise: q8_problem checks a file first)."""
-    n, blocks, scales = d.shape
     isa = instruction_set() or "avx2"
-    values = q.astype(np.int16) + (0 if bits == 4 else 128)  # (bytes: signed values stored plus 128)
-    if isa == "vnni" and bits == 8:  # vpdpbusd takes the stored bytes as they are: w = (q + 128) d - 128 d
-        if m is not None:
-            raise ValueError("the VNNI tiles take bytes without a minimum")
-        m = -128 * d
-    slots = [d] + ([] if m is None else [m])
-    wide = not all(np.array_equal(slot.astype(np.float16).astype(np.float32), slot) for slot in slots)
-    form = Form(bits == 4, scales, m is not None, wide)
+    packed, slots, minimum = [], [], False
+    for first in range(0, rows, REPACK_ROWS):
+        q, d, m = integers(first, min(rows, first + REPACK_ROWS))
+        if isa == "vnni" and bits == 8:  # vpdpbusd takes the stored bytes as they are: w = (q + 128) d - 128 d
+            if m is not None:
+                raise ValueError("the VNNI tiles take bytes without a minimum")
+            m = -128 * d
+        minimum = m is not None
+        packed.append(_steps(bits, q))
+        slots.append(np.concatenate([d] + ([] if m is None else [m]), axis=2))
+    slots = np.concatenate(slots)
+    _, blocks, count = slots.shape
+    wide = not np.array_equal(slots.astype(np.float16).astype(np.float32), slots)
+    form = Form(bits == 4, count // (2 if minimum else 1), minimum, wide)
     if isa == "vnni" and form not in VNNI_FORMS:
         raise ValueError("the scales are not float16 values" if form.scales == 1
                          else "the VNNI tiles take one scale a block")
-    groups = -(-n // COLUMNS)
-    padded = groups * COLUMNS
-    values = np.concatenate([values, np.zeros((padded - n, blocks, 32), np.int16)]).astype(np.uint8)
-    held = np.zeros((padded, blocks, len(slots) * scales), np.float32 if wide else np.float16)
-    held[:n] = np.concatenate(slots, axis=2)
+    groups = -(-rows // COLUMNS)
+    held = np.zeros((groups * COLUMNS, blocks, count), np.float32 if wide else np.float16)
+    held[:rows] = slots
+    # [group, column, block, slot] -> [group, block, slot, column]
+    held = np.ascontiguousarray(held.reshape(groups, COLUMNS, blocks, count).transpose(0, 2, 3, 1))
+    packed, held = np.concatenate(packed), held.reshape(groups, -1).view(np.uint8)
+    group_bytes = packed.shape[1] + held.shape[1]
+    return (packed, held, tiles(form), rows, max(1, CHUNK_BYTES // group_bytes))
+
+
+def _steps(bits: int, q: np.ndarray) -> np.ndarray:
+    """q [rows, B, 32] as the tiles read it, [groups, B * steps * 64] bytes: per block, step p holds weights
+    4p..4p + 3 of each of 16 columns (nibbles: step p in the low nibbles, step p + 4 in the high ones; bytes: the
+    signed values plus 128). Rows past the last are zero weights."""
+    rows, blocks, _ = q.shape
+    groups = -(-rows // COLUMNS)
+    values = np.zeros((groups * COLUMNS, blocks, 32), np.uint8)
+    values[:rows] = q  # (bytes: -128..127 wrap to 128..255, and back to 0..255 plus 128 below)
+    if bits == 8:
+        values += 128
     # [group, column, block, step, 4 weights] -> [group, block, step, column, 4 weights]
     steps = values.reshape(groups, COLUMNS, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
-    if form.nibbles:  # step p (low nibble) with step p + 4 (high nibble)
+    if bits == 4:
         steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
-    packed = np.ascontiguousarray(steps).reshape(groups, -1)
-    # [group, column, block, slot] -> [group, block, slot, column]
-    held = np.ascontiguousarray(held.reshape(groups, COLUMNS, blocks, -1).transpose(0, 2, 3, 1)).reshape(groups, -1)
-    held = held.view(np.uint8)
-    group_bytes = packed.shape[1] + held.shape[1]
-    return (packed, held, tiles(form), n, max(1, CHUNK_BYTES // group_bytes))
+    return np.ascontiguousarray(steps).reshape(groups, -1)
