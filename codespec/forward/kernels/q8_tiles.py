@@ -112,13 +112,11 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
         text += (_vnni_sums if isa == "vnni" else _avx2_sums)(form, weights, j)
         text += f"  %xdp{j} = getelementptr float, ptr %xd{j}, i64 %b\n" + splat(f"xdv{j}", f"%xdp{j}",
                                                                                     "<16 x float>", "float")
-        total = f"%a{j}"
+        terms = []  # (x, y) of each x * y added to the row's sums, in order
         for part in range(form.scales):  # out += float(sum) * (d * xd), per scale
             text += (f"  %cf{j}_{part} = sitofp <16 x i32> %ci{j}_{part} to <16 x float>\n"
-                     f"  %sc{j}_{part} = fmul <16 x float> %d{part}, %xdv{j}\n"
-                     f"  %t{j}_{part} = call <16 x float> @llvm.fma.v16f32(<16 x float> %cf{j}_{part}, "
-                     f"<16 x float> %sc{j}_{part}, <16 x float> {total})\n")
-            total = f"%t{j}_{part}"
+                     f"  %sc{j}_{part} = fmul <16 x float> %d{part}, %xdv{j}\n")
+            terms.append((f"%cf{j}_{part}", f"%sc{j}_{part}"))
         for part in range(form.scales if form.minimum else 0):  # out += m * xd * sum(xq), per scale
             if form.scales == 1:
                 text += f"  %xsp{j} = getelementptr float, ptr %xs{j}, i64 %b\n"
@@ -127,10 +125,13 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
                 text += (f"  %xho{j}_{part} = add i64 %hb, {part}\n"
                          f"  %xhp{j}_{part} = getelementptr float, ptr %xh{j}, i64 %xho{j}_{part}\n")
                 text += splat(f"xsv{j}_{part}", f"%xhp{j}_{part}", "<16 x float>", "float")
-            text += (f"  %u{j}_{part} = call <16 x float> @llvm.fma.v16f32(<16 x float> %m{part}, "
-                     f"<16 x float> %xsv{j}_{part}, <16 x float> {total})\n")
-            total = f"%u{j}_{part}"
-        text = text.replace(f"  {total} = call", f"  %a{j}.next = call")  # the last step's sum, carried
+            terms.append((f"%m{part}", f"%xsv{j}_{part}"))
+        total = f"%a{j}"
+        for i, (x, y) in enumerate(terms):  # one fused multiply-add each; the last is the sums the loop carries
+            name = f"%a{j}.next" if i == len(terms) - 1 else f"%t{j}_{i}"
+            text += (f"  {name} = call <16 x float> @llvm.fma.v16f32(<16 x float> {x}, <16 x float> {y}, "
+                     f"<16 x float> {total})\n")
+            total = name
     text += ("  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n"
              "  br i1 %done, label %end, label %loop\nend:\n  %col = mul i64 %g, 16\n")
     for j in range(rows):
