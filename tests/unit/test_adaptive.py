@@ -204,6 +204,37 @@ def test_measured_costs_cover_every_size_and_the_cached_keys(model, tmp_path, mo
     assert costs.cost(4, keys=216, row_keys=4 * 216) >= costs.cost(4)
 
 
+def test_measured_sizes_take_turns_so_a_burst_of_load_costs_one_round_not_one_size(monkeypatch):
+    """A fake forward on a fake clock: n rows take n ms, except six calls in a row (another process's burst) that
+    take 50 ms more. Timed back to back, one size would have had all its repeats in the burst."""
+    import types
+
+    import codespec.adaptive as adaptive
+
+    clock = types.SimpleNamespace(now=0.0, calls=0, sizes=[])
+    monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+
+    class Cache:
+        length = 0
+
+        def crop(self, length):
+            self.length = length
+
+    class Path:
+        def new_cache(self):
+            return Cache()
+
+        def __call__(self, cache, tokens, n):
+            clock.calls += 1
+            clock.sizes.append(len(tokens))
+            clock.now += 1e-3 * len(tokens) + (0.05 if 7 <= clock.calls < 13 else 0.0)
+            cache.length += len(tokens)
+
+    costs = measure_costs(Path(), 100, context=8, sizes=(1, 2, 4), repeats=4, longer=0)
+    assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3))
+    assert clock.sizes[1:8] == [1, 2, 4, 1, 2, 4, 1]  # (after the context's forward) every size, round by round
+
+
 def test_engine_measures_costs_once_and_adaptive_output_matches_plain(engine):
     prompt = list(range(10, 40)) * 2
     adaptive = engine.generate(prompt, SamplingParams(max_tokens=30), spec=SpecConfig(spec=("prompt-lookup",)))
@@ -381,6 +412,20 @@ def test_a_drafter_whose_calls_save_less_than_they_cost_is_held_back_and_probed_
     for _ in range(30):  # 50 us a call (0.005% of a step) saving nothing: not worth holding back
         cheap.observe_calls([("prompt-lookup", 50e-6)], None, 0.0)
     assert all(cheap.draft_limit(pending=1)("prompt-lookup", 16) == 16 for _ in range(10))
+
+
+def test_a_drafters_first_slow_call_does_not_hold_it_back_for_dozens_of_steps():
+    """A drafter's very first call took 3 ms (its first use in a process), the next ones 8 us: the estimate starts
+    again from the fast call instead of fading from 3 ms by a tenth a step (40 steps later still 45 us, held back
+    beside a 0.27 ms forward)."""
+    shared = DraftingCosts()
+    shared.observe_call("prompt-lookup", 3e-3)
+    shared.observe_call("prompt-lookup", 8e-6)
+    assert shared.calls["prompt-lookup"] == pytest.approx(8e-6)
+    shared.observe_call("prompt-lookup", 10e-6)  # the usual noise moves it a tenth of the way
+    assert shared.calls["prompt-lookup"] == pytest.approx(8.2e-6)
+    shared.observe_call("prompt-lookup", 1.0)  # a pause: counted as OUTLIER times the estimate at most
+    assert shared.calls["prompt-lookup"] == pytest.approx(8.2e-6 + 0.1 * (4 - 1) * 8.2e-6)
 
 
 def test_a_chain_holds_back_only_the_drafter_that_does_not_pay():

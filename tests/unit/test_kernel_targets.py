@@ -17,7 +17,9 @@ AVX2_FORMS = [q8_tiles.Form(True), q8_tiles.Form(True, wide=True), q8_tiles.Form
 # every LLVM IR module codespec compiles, by its entry in the capability table
 MODULES = {
     "silu": lambda: layers.SILU_IR,
-    "cache attention": lambda: attention_tiles.source(64, q8=False)[0],
+    "cache attention": lambda: attention_tiles.source(64, q8=False)[0] + attention_tiles.source(  # and AVX2's
+        64, q8=False, most=attention_tiles.value_rows(False), depth_first=True)[0].split("\n", 1)[1].replace(
+        "@scores", "@avx2_scores").replace("@values", "@avx2_values"),
     "q8 cache attention": lambda: attention_tiles.source(64, q8=True)[0],
     "float block tiles": lambda: block_tiles.FMA_DECLARATION + "".join(  # every layout's
         block_tiles.source(kind, block_tiles.tile_rows(False))[0].split("\n", 1)[1] for kind in block_tiles.KINDS),
@@ -68,6 +70,7 @@ def test_asking_for_instructions_this_cpu_lacks_is_an_error_not_an_abort():
     assert q8_tiles.instruction_set() == ("vnni" if capabilities.host_has("avx512vnni") else
                                           "avx2" if capabilities.host_has("avx2") else None)
     assert prompt_attention.available() == capabilities.host_has("avx512bf16")
+    assert attention_tiles.kernels(64).shape[1] == 1 + attention_tiles.value_rows()
     rows = attention_tiles.kernels(64).shape[0]
     assert rows == (3 if capabilities.host_has("avx512vnni") else 2)  # the q8 cache's tiles only where they run
     assert list(block_tiles.ROWS) == ([4, 3, 2, 1] if capabilities.host_has("avx512f") else [2, 1])
@@ -116,3 +119,23 @@ def test_the_float_tiles_for_avx2_keep_their_sums_in_registers(kind):
                 if ":" in body.split("\n")[0]]
     assert max(stack_accesses(block_tiles.tile_rows(wide_registers=False))) <= 3
     assert max(stack_accesses([4])) > 3
+
+
+def test_the_attention_tiles_for_avx2_keep_fewer_sums_live_with_the_same_operations():
+    """AVX2's 16 vector registers hold one query row's four 16-lane value sums, not four rows' (value_rows), and
+    the scores tile adds each key's sums into the tree as soon as they are formed (depth first): the same
+    instructions as the tree built level by level, in another order, and the stack touched far less (measured on
+    a 2-core AVX2 host, 16 rows over 900 cached keys: a forward 50 -> 41 ms)."""
+    for itemsize in (4, 2):
+        level, depth = (attention_tiles.scores_ir(64, itemsize, depth_first) for depth_first in (False, True))
+        assert level != depth and sorted(level.splitlines()) == sorted(depth.splitlines())
+
+    def stack(text: str, name: str) -> int:
+        assembly = native.assembly(attention_tiles.FMA_DECLARATION + text, AVX2)
+        return assembly.split(f"{name}:")[1].split(".Lfunc_end")[0].count("(%rsp)")
+
+    assert attention_tiles.value_rows(False) == 1 and attention_tiles.value_rows(True) == attention_tiles.GROUP
+    assert stack(attention_tiles.values_ir(64, 1, 2), "values2_1") == 0 < stack(attention_tiles.values_ir(64, 2, 2),
+                                                                                "values2_2")
+    assert stack(attention_tiles.scores_ir(64, 2, True), "scores2") < 0.85 * stack(
+        attention_tiles.scores_ir(64, 2, False), "scores2")

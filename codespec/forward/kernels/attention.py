@@ -43,7 +43,6 @@ from numba.extending import intrinsic, overload
 
 from . import attention_tiles, capabilities
 from .native import call
-from .attention_tiles import GROUP
 
 FEW_ROWS = 16  # sequences with at most this many rows in a forward come here (measured, 30 layers at 1,000 and
 # 2,600 cached tokens: up to 16 rows the kernel beats PyTorch's attention; at 32 and 64 rows it does not)
@@ -215,10 +214,11 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels)
             call(tiles[0], q.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
         for r in range(rows):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
             _softmax(scores[base + r], weights[base + r], start + r // group + 1, end)
-        sums = np.empty((GROUP, dim), dtype=np.float32)
+        most = len(tiles) - 1  # rows a values tile adds into at once (attention_tiles.value_rows)
+        sums = np.empty((most, dim), dtype=np.float32)
         r = 0
-        while r < rows:  # up to GROUP rows share each value row read
-            take = min(GROUP, rows - r)
+        while r < rows:  # up to `most` rows share each value row read
+            take = min(most, rows - r)
             call(tiles[take], weights[base + r :].ctypes.data, width, values_at, end, sums.ctypes.data, 0)
             for i in range(take):
                 out[first + (r + i) // group, h * group + (r + i) % group, :] = sums[i]

@@ -64,22 +64,35 @@ def lanes(picks) -> str:
     return ", ".join(f"i32 {i}" for i in picks)
 
 
-def add_down(sums: list[str], vector: str, add: str, prefix: str) -> tuple[str, str]:
+def add_down(sums: list[str] | None, vector: str, add: str, prefix: str, key_sum=None) -> tuple[str, str]:
     """16 vectors of 16 partial sums each (one per key) added down to one vector of the 16 keys' sums, in key order:
-    each step halves every key's lanes, two vectors into one (45 shuffles and adds instead of 16 x 8)."""
+    each step halves every key's lanes, two vectors into one (45 shuffles and adds instead of 16 x 8). With
+    `key_sum(key)` -> (its code, its vector) in place of `sums`, the same tree is emitted depth first, each key's
+    code just before the additions that take it, so that few vectors are live at once: the same operations."""
+    widths = (8, 4, 2, 1)
+
+    def combine(step: int, i: int, left: str, right: str) -> str:
+        width = widths[step]
+        first = [lane for lane in range(32) if (lane // width) % 2 == 0]
+        second = [lane for lane in range(32) if (lane // width) % 2 == 1]
+        name = f"%{prefix}{step}_{i}"
+        return (f"  {name}.a = shufflevector {vector} {left}, {vector} {right}, <16 x i32> <{lanes(first)}>\n"
+                f"  {name}.b = shufflevector {vector} {left}, {vector} {right}, <16 x i32> <{lanes(second)}>\n"
+                f"  {name} = {add} {vector} {name}.a, {name}.b\n")
+
+    if key_sum is not None:
+        def tree(first: int, size: int) -> tuple[str, str]:
+            if size == 1:
+                return key_sum(first)
+            (left_code, left), (right_code, right) = tree(first, size // 2), tree(first + size // 2, size // 2)
+            step = size.bit_length() - 2
+            return (left_code + right_code + combine(step, first // size, left, right),
+                    f"%{prefix}{step}_{first // size}")
+        return tree(0, 16)
     text = ""
-    for step, width in enumerate((8, 4, 2, 1)):
-        first = [i for i in range(32) if (i // width) % 2 == 0]
-        second = [i for i in range(32) if (i // width) % 2 == 1]
-        added = []
-        for i in range(len(sums) // 2):
-            name = f"%{prefix}{step}_{i}"
-            text += (f"  {name}.a = shufflevector {vector} {sums[2 * i]}, {vector} {sums[2 * i + 1]}, "
-                     f"<16 x i32> <{lanes(first)}>\n"
-                     f"  {name}.b = shufflevector {vector} {sums[2 * i]}, {vector} {sums[2 * i + 1]}, "
-                     f"<16 x i32> <{lanes(second)}>\n  {name} = {add} {vector} {name}.a, {name}.b\n")
-            added.append(name)
-        sums = added
+    for step in range(len(widths)):
+        text += "".join(combine(step, i, sums[2 * i], sums[2 * i + 1]) for i in range(len(sums) // 2))
+        sums = [f"%{prefix}{step}_{i}" for i in range(len(sums) // 2)]
     return text, sums[0]
 
 
