@@ -139,3 +139,25 @@ def test_the_attention_tiles_for_avx2_keep_fewer_sums_live_with_the_same_operati
                                                                                 "values2_2")
     assert stack(attention_tiles.scores_ir(64, 2, True), "scores2") < 0.85 * stack(
         attention_tiles.scores_ir(64, 2, False), "scores2")
+
+
+def test_numbas_cache_folder_changes_with_any_module_that_uses_numba(monkeypatch, tmp_path):
+    """numba checks a cached function against its own file only: layers.py's loop, which inlines attention.py's
+    kernel, kept the old kernel after attention.py changed (a crash). The folder is named by every numba module."""
+    import os
+    from pathlib import Path
+
+    import codespec
+
+    assert os.environ["NUMBA_CACHE_DIR"] == codespec._numba_cache_dir()
+    read = Path.read_bytes
+
+    def edited(path):
+        return read(path) + (b"\n# edited" if path.name == "attention.py" else b"")
+
+    monkeypatch.setattr(Path, "read_bytes", edited)
+    assert codespec._numba_cache_dir() != os.environ["NUMBA_CACHE_DIR"]
+    monkeypatch.setattr(Path, "read_bytes", read)
+    monkeypatch.setattr(os, "access", lambda *args: False)  # a read-only install: under $CODESPEC_HOME
+    monkeypatch.setenv("CODESPEC_HOME", str(tmp_path))
+    assert codespec._numba_cache_dir().startswith(str(tmp_path / "numba"))
