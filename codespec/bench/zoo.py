@@ -175,7 +175,7 @@ def measure_codespec(path: Path, load_only: bool = False) -> dict:
     started = time.perf_counter()
     engine = Engine.load(ModelConfig(model=str(path)), show_progress=False)
     load = time.perf_counter() - started
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = peak_rss_self()
     if load_only:
         return {"engine": "codespec", "load_s": round(load, 2), "peak_rss_mb": round(rss / 1e6)}
     path_ = engine.path
@@ -224,6 +224,12 @@ def measure_llama_server(binary: Path, path: Path, threads: int) -> dict:
     return {"engine": "llama-server", "load_s": round(load, 2), "peak_rss_mb": round(peak / 1e6) if peak else None,
             "prefill_tok_s": round(timings["prompt_per_second"], 1),
             "decode_tok_s": round(timings["predicted_per_second"], 1), "tokens": timings["predicted_n"]}
+
+
+def peak_rss_self() -> int:
+    """This process's peak resident bytes: getrusage's ru_maxrss, in KiB on Linux and in bytes on macOS."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _peak_rss(pid: int) -> int | None:

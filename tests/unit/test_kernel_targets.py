@@ -161,3 +161,20 @@ def test_numbas_cache_folder_changes_with_any_module_that_uses_numba(monkeypatch
     monkeypatch.setattr(os, "access", lambda *args: False)  # a read-only install: under $CODESPEC_HOME
     monkeypatch.setenv("CODESPEC_HOME", str(tmp_path))
     assert codespec._numba_cache_dir().startswith(str(tmp_path / "numba"))
+
+
+ARM64 = {"apple-m1": "arm64-apple-macosx14.0.0", "neoverse-n1": "aarch64-unknown-linux-gnu"}  # a Mac, a Linux server
+ARM64_FEATURES = {"neon", "dotprod", "i8mm", "fp-armv8", "openmp"}  # what an Apple M1 or a Graviton has, as LLVM names
+
+
+@pytest.mark.parametrize("cpu", sorted(ARM64))
+@pytest.mark.parametrize("kernel", sorted(MODULES))
+def test_the_portable_modules_compile_for_arm64_and_the_x86_ones_are_never_asked_for_there(cpu, kernel):
+    """The plain-IR modules compile for ARM64 (a Mac's and a Linux server's), their 16-lane sums in NEON's fmla.
+    The modules with x86 intrinsics would abort LLVM there: the capability table keeps them from being compiled on
+    a CPU with ARM64's features (the PyTorch path, or the portable tiles, run instead, and the start line says so)."""
+    if capabilities.missing(kernel, ARM64_FEATURES):
+        assert any(feature.startswith("avx") for feature in capabilities.NEEDS[kernel])
+        return
+    assembly = native.assembly(MODULES[kernel](), cpu, triple=ARM64[cpu])
+    assert "fmla" in assembly and "ymm" not in assembly and "xmm" not in assembly

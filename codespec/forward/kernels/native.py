@@ -15,17 +15,23 @@ from . import capabilities
 _ENGINES = []  # compiled code lives as long as its engine
 
 
-def target_machine(cpu: str | None = None, features: str | None = None):
+def target_machine(cpu: str | None = None, features: str | None = None, triple: str | None = None):
     """An LLVM target machine at -O3: this CPU's (default), or a named one (`cpu`, e.g. "haswell" for x86-64-v3,
-    "znver4"; `features` as LLVM spells them) with the default triple, to check that IR compiles for it."""
+    "znver4", or with `triple` "aarch64-unknown-linux-gnu" "apple-m1"; `features` as LLVM spells them), to check
+    that IR compiles for it."""
     import llvmlite.binding as llvm
 
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
+    if triple is None:
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+    else:
+        llvm.initialize_all_targets()
+        llvm.initialize_all_asmprinters()
     if cpu is None:  # this CPU, less what CODESPEC_CPU turns off
         cpu = llvm.get_host_cpu_name()
         features = ",".join(("+" if have else "-") + name for name, have in capabilities.host_features().items())
-    return llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features or "", opt=3)
+    target = llvm.Target.from_default_triple() if triple is None else llvm.Target.from_triple(triple)
+    return target.create_target_machine(cpu=cpu, features=features or "", opt=3)
 
 
 def compile_ir(source: str, names: list[str], kernel: str) -> np.ndarray:
@@ -42,10 +48,10 @@ def compile_ir(source: str, names: list[str], kernel: str) -> np.ndarray:
     return np.array([engine.get_function_address(name) for name in names], dtype=np.int64)
 
 
-def assembly(source: str, cpu: str, features: str = "") -> str:
-    """`source` compiled at -O3 for another CPU (nothing runs): its assembly, to check that a tile compiles for a
-    target this machine is not and uses the instructions it should."""
-    machine = target_machine(cpu, features)
+def assembly(source: str, cpu: str, features: str = "", triple: str | None = None) -> str:
+    """`source` compiled at -O3 for another CPU (nothing runs; `triple`: another architecture): its assembly, to
+    check that a tile compiles for a target this machine is not and uses the instructions it should."""
+    machine = target_machine(cpu, features, triple)
     return machine.emit_assembly(optimised(source, machine))
 
 
