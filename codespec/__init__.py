@@ -6,6 +6,8 @@ import os as _os
 
 if _os.environ.get("CODESPEC_CPU", "").lower() == "avx2":  # numba's own loops for the same CPU as the IR tiles
     _os.environ.setdefault("NUMBA_CPU_NAME", "haswell")
+    _os.environ.setdefault("NUMBA_CPU_FEATURES", "")  # a Haswell's own features, not this CPU's: the same cached
+    # code on every CPU that runs CODESPEC_CPU=avx2 (an emulated Haswell loads what this one compiled)
 
 
 def _numba_cache_dir() -> str:
