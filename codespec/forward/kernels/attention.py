@@ -137,7 +137,7 @@ def _quantize(x, row, key):
     return total
 
 
-@numba.njit(cache=True, boundscheck=False)
+@numba.njit(fastmath=False, cache=True, boundscheck=False)
 def _write(keys_at, values_at, itemsize, new_keys, new_values, start, dim):
     """New keys and values [count, dim] into a cache head's rows start.. (addresses keys_at, values_at), rounded to
     float16 when its elements are 2 bytes (numba has no float16: as their bits), to q8 rows when 1 byte. A call of
@@ -272,7 +272,7 @@ def _widened(element):
     """An element of a cache as float64 (numba has no float16: a float16 cache is read as its bits)."""
 
 
-@overload(_widened, jit_options={"cache": True})
+@overload(_widened, jit_options={"cache": True, "fastmath": False})
 def _widened_by_type(element):
     if element == types.uint16:
         return lambda element: np.float64(_from_half(element))
@@ -284,7 +284,7 @@ def _narrowed(value, element):
     for a float16 cache, as PyTorch assigns it; float64 caches keep it."""
 
 
-@overload(_narrowed, jit_options={"cache": True})
+@overload(_narrowed, jit_options={"cache": True, "fastmath": False})
 def _narrowed_by_type(value, element):
     if element == types.uint16:
         return lambda value, element: _to_half(np.float32(value))
@@ -293,7 +293,7 @@ def _narrowed_by_type(value, element):
     return lambda value, element: value
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False)
+@numba.njit(fastmath=False, parallel=True, cache=True, boundscheck=False)
 def _move(keys, values, into_keys, into_values, source, target, count, turn):
     """Positions source.. of every layer and KV head to target.. of the `into` caches (the same ones, with target <
     source, or others): values as they are, keys (pairs rotated by their position) turned by turn [dim / 2,
@@ -321,7 +321,7 @@ def _scale_of(row, dim):
     return _float_bits(bits)
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False)
+@numba.njit(fastmath=False, parallel=True, cache=True, boundscheck=False)
 def _move_q8(keys, values, into_keys, into_values, source, target, count, turn):
     """_move for q8 caches (int8 [layers, kv_heads, capacity, dim + 4]): each key read as its integers times its
     scale, turned in float64, rounded to float32 and quantised again; values (with their scales) as they are."""
@@ -343,7 +343,7 @@ def _move_q8(keys, values, into_keys, into_values, source, target, count, turn):
             into_values[layer, head, target + i] = values[layer, head, source + i]
 
 
-@numba.njit(cache=True, boundscheck=False)
+@numba.njit(fastmath=False, cache=True, boundscheck=False)
 def write_q8(keys, values, new_keys, new_values, start):
     """New keys and values [count, kv_heads, dim] (float32) into a q8 cache layer's rows start.. (int8 [kv_heads,
     capacity, dim + 4]), rounded as the kernel rounds them."""

@@ -229,7 +229,7 @@ def normed(x, norm, eps):
     return out
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False)
+@numba.njit(fastmath=False, parallel=True, cache=True, boundscheck=False)
 def linear(x, norm, eps, weight):
     """rms_norm(x) (when norm has entries, else x) times the transposed block weight (q, d, m, tiles): [rows, N]."""
     q, d, m, tile = weight

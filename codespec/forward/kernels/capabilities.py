@@ -90,7 +90,7 @@ def _pool_pays() -> bool:
     return numba.threading_layer() in ("omp", "tbb")
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(fastmath=False, parallel=True, cache=True)
 def _parallel_sum(count):
     total = 0
     for i in numba.prange(count):

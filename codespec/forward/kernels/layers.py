@@ -128,7 +128,7 @@ def _project(x, norm, eps, weight):
     blocks (block_tiles.linear's tuple, or q8_tiles.linear's: five entries)."""
 
 
-@overload(_project, jit_options={"cache": True})
+@overload(_project, jit_options={"cache": True, "fastmath": False})
 def _project_by_format(x, norm, eps, weight):
     if isinstance(weight, types.Array):
         return lambda x, norm, eps, weight: _linear(x, norm, eps, weight)
@@ -141,7 +141,7 @@ def _outputs(weight):
     """A projection's output columns, in any of _project's formats."""
 
 
-@overload(_outputs, jit_options={"cache": True})
+@overload(_outputs, jit_options={"cache": True, "fastmath": False})
 def _outputs_by_format(weight):
     if isinstance(weight, types.Array):
         return lambda weight: weight.shape[0]
@@ -155,7 +155,7 @@ MLP_BYTES = 1_000_000  # the most bytes of an MLP's gate/up output at once: a pr
 # fresh mmap, and its page faults made a 128-row chunk's MLP 52 -> 83 ms in the server
 
 
-@numba.njit(cache=True)
+@numba.njit(fastmath=False, cache=True)
 def _mlp_rows(rows, outputs):
     """Rows per slice of the MLP: all of them when their gate/up output fits MLP_BYTES, else a multiple of 8 (whole
     tiles of every projection format, so a row's numbers do not depend on the slicing)."""
@@ -163,7 +163,7 @@ def _mlp_rows(rows, outputs):
     return rows if rows <= fit else max(8, fit)
 
 
-@numba.njit(cache=True)
+@numba.njit(fastmath=False, cache=True)
 def _output(x, norm, eps, weight):
     """The output layer (from Python)."""
     return _project(x, norm, eps, weight)
@@ -333,7 +333,7 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
     attended[apart.first : apart.first + apart.count] = out.view(apart.count, heads, dim).numpy()
 
 
-@numba.njit(cache=True, boundscheck=False)
+@numba.njit(fastmath=False, cache=True, boundscheck=False)
 def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels):
     """The attention of the sequences in `table` (attention.py's kernels) at `layer`, from the rotated q/k/v
     projection [rows, (heads + 2 kv_heads) dim], into attended [rows, heads, dim]. q and k go to the kernels as a
@@ -345,7 +345,7 @@ def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, a
     attention._attend(qk, v, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
 
 
-@numba.njit(cache=True, boundscheck=False)
+@numba.njit(fastmath=False, cache=True, boundscheck=False)
 def _layers(x, norms, biases, qk_norms, projections, eps, turn, table, scores, probabilities, attended, heads,
             kv_heads, kernels, silu):
     """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels: the
@@ -360,7 +360,7 @@ def _layers(x, norms, biases, qk_norms, projections, eps, turn, table, scores, p
                                silu)
 
 
-@numba.njit(cache=True, boundscheck=False)
+@numba.njit(fastmath=False, cache=True, boundscheck=False)
 def _prompt_layers(x, norms, biases, qk_norms, projections, eps, turn, keys, values, start, laid_k, laid_v, laid_from,
                    attended, heads, kv_heads, silu, tiles, threads):
     """Every layer over a prompt chunk x [rows, hidden] in place, its attention in prompt_attention's tiles against

@@ -282,7 +282,7 @@ def _elements(cache: torch.Tensor) -> np.ndarray:
     return elements(cache)
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False)
+@numba.njit(fastmath=False, parallel=True, cache=True, boundscheck=False)
 def _chunk(q, k, v, keys, values, start, write, laid_k, laid_v, laid_from, out, tiles, threads):
     """`attend` in one call: the chunk's keys and values into the cache (when `write`), the cache laid out from
     laid_from on, the queries as bfloat16 pairs grouped by KV head, the tiles into out [count, heads, dim] (scratch

@@ -264,7 +264,10 @@ def tiles(form: Form) -> np.ndarray:
     return compile_ir(*source(form, isa), ISAS[isa][0])
 
 
-@numba.njit(cache=True, boundscheck=False)  # no fastmath: 127 / a rounds as written
+# fastmath=False said, not left out: numba lets a callee that does not say inherit its caller's fastmath, and caches
+# whichever it compiled first (layers.py's fast-math loops call this): 127 / a then became a product by a reciprocal
+# in some processes and not others, and the text of the first run after a fresh cache differed from later runs'
+@numba.njit(fastmath=False, cache=True, boundscheck=False)
 def _round_row(x, r, xq, xd, xs, xh):
     """Row r of x rounded to 8 bits per block of 32 into xq, xd, xs and xh (see rounded8)."""
     for b in range(xd.shape[1]):
@@ -286,7 +289,7 @@ def _round_row(x, r, xq, xd, xs, xh):
 PARALLEL_ROWS = 8  # from this many rows, rows are rounded in parallel
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False)
+@numba.njit(fastmath=False, parallel=True, cache=True, boundscheck=False)
 def rounded8(x):
     """x [rows, K] rounded to 8 bits per block of 32: xq (int8), xd = a / 127 and xs = xd * sum(xq) [rows, K / 32],
     and xh [rows, K / 16], xd times each half's sum, where a is the block's largest magnitude and
@@ -305,7 +308,7 @@ def rounded8(x):
     return xq, xd, xs, xh
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False)
+@numba.njit(fastmath=False, parallel=True, cache=True, boundscheck=False)
 def linear(x, weight):
     """x [rows, K] (float32, contiguous) times the repacked weight (q, s, tiles, N, groups a chunk): [rows, N]."""
     q, s, tile, outputs, chunk_groups = weight
