@@ -44,6 +44,8 @@ def value_rows(wide_registers: bool | None = None) -> int:
     if wide_registers is None:
         wide_registers = capabilities.host_has("avx512f")
     return GROUP if wide_registers else 1
+
+
 ELEMENTS = {4: ("float", VECTOR), 2: ("half", "<16 x half>"), 1: ("i8", "<16 x i8>")}  # cache element bytes: LLVM
 # scalar and vector types (1: --cache-type q8, each key's or value's dim int8 followed by its float32 scale)
 
@@ -110,15 +112,13 @@ def scores_ir(dim: int, itemsize: int, depth_first: bool = False) -> str:
             total = f"%s{n}"
         return steps, total
 
+    sums = [key_sum(key) for key in range(16)]
+    names = [name for _, name in sums]
     if depth_first:  # each key's sums, then added into the tree at once: a few vectors live (AVX2's 16 registers)
-        def code_of(key: int) -> tuple[str, str]:
-            steps, total = key_sum(key)
-            return "".join(steps), total
-        reduce, total = add_down(None, VECTOR, "fadd", "t", key_sum=code_of)
+        reduce, total = add_down(names, VECTOR, "fadd", "t", codes=["".join(steps) for steps, _ in sums])
     else:  # chunk by chunk over the 16 keys, then the tree: 16 sums live (AVX-512's 32 registers)
-        sums = [key_sum(key) for key in range(16)]
         text += "".join(steps[c] for c in range(dim // 16) for steps, _ in sums)
-        reduce, total = add_down([name for _, name in sums], VECTOR, "fadd", "t")
+        reduce, total = add_down(names, VECTOR, "fadd", "t")
     text += reduce
     return text + ("  %oo = mul i64 %r, %width\n  %oj = add i64 %oo, %kb\n"
                    "  %op = getelementptr float, ptr %out, i64 %oj\n"
@@ -210,13 +210,14 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
 
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
-    """The addresses of @scores and @values_1..value_rows() for head size `dim`, compiled for this CPU: row 0 for float32
-    caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 on CPUs with AVX512-VNNI row 2 for
-    q8 ones."""
+    """The addresses of @scores and @values_1..value_rows() for head size `dim`, compiled for this CPU: row 0 for
+    float32 caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 on CPUs with AVX512-VNNI
+    row 2 for q8 ones."""
     q8 = dim % 64 == 0 and capabilities.available("q8 cache attention")  # vpdpbusd, heads a multiple of 64
     wide = capabilities.host_has("avx512f")
-    text, names = source(dim, q8, value_rows(wide), depth_first=not wide)
-    return compile_ir(text, names, "q8 cache attention" if q8 else "cache attention").reshape(-1, 1 + value_rows(wide))
+    most = value_rows(wide)
+    text, names = source(dim, q8, most, depth_first=not wide)
+    return compile_ir(text, names, "q8 cache attention" if q8 else "cache attention").reshape(-1, 1 + most)
 
 
 def source(dim: int, q8: bool, most: int = GROUP, depth_first: bool = False) -> tuple[str, list[str]]:

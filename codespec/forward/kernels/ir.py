@@ -64,11 +64,11 @@ def lanes(picks) -> str:
     return ", ".join(f"i32 {i}" for i in picks)
 
 
-def add_down(sums: list[str] | None, vector: str, add: str, prefix: str, key_sum=None) -> tuple[str, str]:
+def add_down(sums: list[str], vector: str, add: str, prefix: str, codes: list[str] | None = None) -> tuple[str, str]:
     """16 vectors of 16 partial sums each (one per key) added down to one vector of the 16 keys' sums, in key order:
-    each step halves every key's lanes, two vectors into one (45 shuffles and adds instead of 16 x 8). With
-    `key_sum(key)` -> (its code, its vector) in place of `sums`, the same tree is emitted depth first, each key's
-    code just before the additions that take it, so that few vectors are live at once: the same operations."""
+    each step halves every key's lanes, two vectors into one (45 shuffles and adds instead of 16 x 8). With `codes`
+    (each key's code, which forms its vector in `sums`), the same tree is emitted depth first, each key's code just
+    before the additions that take it, so that few vectors are live at once: the same operations."""
     widths = (8, 4, 2, 1)
 
     def combine(step: int, i: int, left: str, right: str) -> str:
@@ -80,10 +80,10 @@ def add_down(sums: list[str] | None, vector: str, add: str, prefix: str, key_sum
                 f"  {name}.b = shufflevector {vector} {left}, {vector} {right}, <16 x i32> <{lanes(second)}>\n"
                 f"  {name} = {add} {vector} {name}.a, {name}.b\n")
 
-    if key_sum is not None:
+    if codes is not None:
         def tree(first: int, size: int) -> tuple[str, str]:
             if size == 1:
-                return key_sum(first)
+                return codes[first], sums[first]
             (left_code, left), (right_code, right) = tree(first, size // 2), tree(first + size // 2, size // 2)
             step = size.bit_length() - 2
             return (left_code + right_code + combine(step, first // size, left, right),
