@@ -60,6 +60,13 @@ def prepare(folder: Path) -> None:
         np.savez(folder / f"attention{itemsize}.npz", q=q, k=k, v=v, w=weights,
                  scores=q.astype(np.float64) @ k.astype(np.float64).T, sums=weights.astype(np.float64) @ v.astype(
                      np.float64))
+    logits = (rng.standard_normal((3, count)) * 4).astype(np.float32)
+    valid = np.array([5, 16, 37])  # a partial block alone, one whole block, whole blocks and a partial one
+    expected = np.zeros((3, count))
+    for r, n in enumerate(valid):
+        e = np.exp(logits[r, :n].astype(np.float64) - logits[r, :n].max())
+        expected[r, :n] = e / e.sum()
+    np.savez(folder / "softmax.npz", logits=logits, valid=valid, expected=expected)
     cases.append({"kind": "attention", "name": "attention", "functions": names})
     (folder / "silu.ll").write_text(layers.SILU_IR)
     gate = rng.standard_normal((2, 64)).astype(np.float32) * 4
@@ -171,7 +178,7 @@ def run_blocks(folder: Path, case: dict) -> str:
 
 def run_attention(folder: Path, case: dict) -> list[str]:
     addresses = compiled((folder / "attention.ll").read_text(), case["functions"])
-    per_kind = len(addresses) // 2  # (float32's scores and values, then float16's)
+    per_kind = (len(addresses) - 1) // 2  # (float32's scores and values, then float16's, then the softmax)
     results = []
     for index, itemsize in enumerate((4, 2)):
         data = np.load(folder / f"attention{itemsize}.npz")
@@ -190,6 +197,13 @@ def run_attention(folder: Path, case: dict) -> list[str]:
             values_tile(address(w[r:].copy()), count, address(v), count, address(sums[r:]), 0)
         results.append(f"scores{itemsize}: {check('scores', scores, data['scores']):.1e}")
         results.append(f"values{itemsize}: {check('values', sums, data['sums']):.1e}")
+    data = np.load(folder / "softmax.npz")
+    logits, expected = np.ascontiguousarray(data["logits"]), data["expected"]
+    softmax_tile = ctypes.CFUNCTYPE(None, P, I, P, I, P, I)(addresses[-1])
+    weights = np.full(logits.shape, np.nan, np.float32)
+    for r, n in enumerate(data["valid"]):
+        softmax_tile(address(logits[r:]), int(n), address(weights[r:]), logits.shape[1], 0, 0)
+    results.append(f"softmax: {check('softmax', weights, expected):.1e}")
     return results
 
 

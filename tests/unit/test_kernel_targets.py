@@ -18,8 +18,9 @@ AVX2_FORMS = [q8_tiles.Form(True), q8_tiles.Form(True, wide=True), q8_tiles.Form
 MODULES = {
     "silu": lambda: layers.SILU_IR,
     "cache attention": lambda: attention_tiles.source(64, q8=False)[0] + attention_tiles.source(  # and AVX2's
-        64, q8=False, most=attention_tiles.value_rows(False), depth_first=True)[0].split("\n", 1)[1].replace(
-        "@scores", "@avx2_scores").replace("@values", "@avx2_values"),
+        64, q8=False, most=attention_tiles.value_rows(False), depth_first=True)[0].removeprefix(
+        attention_tiles.DECLARATIONS).replace("@scores", "@avx2_scores").replace("@values", "@avx2_values").replace(
+        "@softmax", "@avx2_softmax"),
     "q8 cache attention": lambda: attention_tiles.source(64, q8=True)[0],
     "float block tiles": lambda: block_tiles.FMA_DECLARATION + "".join(  # every layout's
         block_tiles.source(kind, block_tiles.tile_rows(False))[0].split("\n", 1)[1] for kind in block_tiles.KINDS),
@@ -70,7 +71,7 @@ def test_asking_for_instructions_this_cpu_lacks_is_an_error_not_an_abort():
     assert q8_tiles.instruction_set() == ("vnni" if capabilities.host_has("avx512vnni") else
                                           "avx2" if capabilities.host_has("avx2") else None)
     assert prompt_attention.available() == capabilities.host_has("avx512bf16")
-    assert attention_tiles.kernels(64).shape[1] == 1 + attention_tiles.value_rows()
+    assert attention_tiles.kernels(64).shape[1] == 2 + attention_tiles.value_rows()
     rows = attention_tiles.kernels(64).shape[0]
     assert rows == (3 if capabilities.host_has("avx512vnni") else 2)  # the q8 cache's tiles only where they run
     assert list(block_tiles.ROWS) == ([4, 3, 2, 1] if capabilities.host_has("avx512f") else [2, 1])
@@ -131,7 +132,7 @@ def test_the_attention_tiles_for_avx2_keep_fewer_sums_live_with_the_same_operati
         assert level != depth and sorted(level.splitlines()) == sorted(depth.splitlines())
 
     def stack(text: str, name: str) -> int:
-        assembly = native.assembly(attention_tiles.FMA_DECLARATION + text, AVX2)
+        assembly = native.assembly(attention_tiles.DECLARATIONS + text, AVX2)
         return assembly.split(f"{name}:")[1].split(".Lfunc_end")[0].count("(%rsp)")
 
     assert attention_tiles.value_rows(False) == 1 and attention_tiles.value_rows(True) == attention_tiles.GROUP

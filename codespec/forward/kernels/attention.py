@@ -7,7 +7,7 @@ forward reads all of it. PyTorch's CPU kernels read it at 5-9 GB/s for one to fo
 against 29 GB/s that these 2 cores can stream. Here one kernel per layer runs every such sequence's attention,
 each (sequence, KV head) pair on its own thread: it streams that head's keys once for all the query heads of its
 group and all the sequence's rows (attention_tiles' tiles: 16 keys at a time, their sums added down together), takes
-each row's softmax (its exp vectorised: `_exp`), then streams the values once for up to four rows at a time.
+each row's softmax (an IR tile: ir.softmax_ir), then streams the values once for up to four rows at a time.
 Measured, 30 layers, 8 sequences x 1,450 cached tokens: 1 row each 51 -> 25 ms, 2 rows 86 -> 34 ms, 4 rows
 100 -> 59 ms (numba's own dot products, before the tiles); one sequence at 2,600 cached tokens, 1 / 2 / 3 / 4
 rows: 8.1 / 11.2 / 10.9 / 12.5 ms with numba's, 6.1 / 7.7 / 9.4 / 11.4 with the tiles, and 18.4 / 30.9 ms at 8 /
@@ -70,19 +70,6 @@ def _bitcast(source, target):
 
 _float_bits = _bitcast(types.uint32, types.float32)  # the float32 whose bits are a uint32
 _bits = _bitcast(types.float32, types.int32)  # a float32's bits, as an int32
-
-
-@numba.njit(inline="always", fastmath=True, cache=True)
-def _exp(x):
-    """e^x for x <= 0, vectorisable (numba's np.exp calls libm one value at a time without SVML): 2^n e^r with
-    |r| <= ln 2 / 2 (Cody-Waite) and a degree-7 Taylor polynomial; relative error below 1e-6. Below -87, 0."""
-    x = max(x, np.float32(-87.0))
-    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)
-    p = np.float32(1.0 / 5040)
-    for c in (1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
-        p = p * r + np.float32(c)
-    return p * _float_bits(np.uint32(np.int32(n) + 127) << 23)
 
 
 @numba.njit(inline="always", cache=True)
@@ -164,32 +151,13 @@ def _write(keys_at, values_at, itemsize, new_keys, new_values, start, dim):
                 value_halves[start + i, d] = _to_half(new_values[i, d])
 
 
-@numba.njit(inline="always", fastmath=True, cache=True)
-def _softmax(scores, out, valid, end):
-    """out[:valid] = softmax(scores[:valid]), out[valid:end] = 0 (the keys past the row's position): the sums run
-    over the row's own keys only, so a row gets the same bits whatever else its forward holds."""
-    top = scores[0]
-    for j in range(valid):
-        top = max(top, scores[j])
-    total = np.float32(0.0)
-    for j in range(valid):
-        e = _exp(scores[j] - top)
-        out[j] = e
-        total += e
-    scale = np.float32(1.0) / total
-    for j in range(valid):
-        out[j] *= scale
-    for j in range(valid, end):
-        out[j] = np.float32(0.0)
-
-
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
 def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels):
     """Attention of every (sequence, KV head) in `table` at `layer`, each on its own thread: writes the sequence's
     new keys (from qk [rows, heads + kv_heads, dim]) and values (v [rows, kv_heads, dim]) into its cache, scores
     every query row of its group against the keys (attention_tiles' tile, 16 keys at a time: keys are read up to
     the next multiple of 16, which a cache's capacity holds), takes each row's softmax over the keys up to its
-    position, and adds the rows' weighted values into out [rows, heads, dim]. Score rows of sequence s, KV head h:
+    position (attention_tiles' softmax, whose sums' order no inlining can change), and adds the rows' weighted values into out [rows, heads, dim]. Score rows of sequence s, KV head h:
     table[s, 6] + h * count * group + i * group + g, scores.shape[1] (a multiple of 16) wide."""
     dim = qk.shape[2]
     group = heads // kv_heads
@@ -213,13 +181,14 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels)
         else:
             call(tiles[0], q.ctypes.data, rows, keys_at, padded, scores[base:].ctypes.data, width)
         for r in range(rows):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
-            _softmax(scores[base + r], weights[base + r], start + r // group + 1, end)
-        most = len(tiles) - 1  # rows a values tile adds into at once (attention_tiles.value_rows)
+            call(tiles[1], scores[base + r :].ctypes.data, start + r // group + 1, weights[base + r :].ctypes.data,
+                 padded, 0, 0)
+        most = len(tiles) - 2  # rows a values tile adds into at once (attention_tiles.value_rows)
         sums = np.empty((most, dim), dtype=np.float32)
         r = 0
         while r < rows:  # up to `most` rows share each value row read
             take = min(most, rows - r)
-            call(tiles[take], weights[base + r :].ctypes.data, width, values_at, end, sums.ctypes.data, 0)
+            call(tiles[1 + take], weights[base + r :].ctypes.data, width, values_at, end, sums.ctypes.data, 0)
             for i in range(take):
                 out[first + (r + i) // group, h * group + (r + i) % group, :] = sums[i]
             r += take

@@ -31,9 +31,10 @@ import functools
 import numpy as np
 
 from . import capabilities
-from .ir import FMA, FMA_DECLARATION, VECTOR, add_down, running_sums, stored_sums
+from .ir import EXP_DECLARATIONS, FMA, SOFTMAX_DECLARATIONS, VECTOR, add_down, running_sums, softmax_ir, stored_sums
 from .native import compile_ir
 
+DECLARATIONS = EXP_DECLARATIONS + SOFTMAX_DECLARATIONS  # (FMA's among them)
 GROUP = 4  # query rows that `values` adds into at once where their sums stay in registers (32 of AVX-512's)
 
 
@@ -210,25 +211,29 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
 
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
-    """The addresses of @scores and @values_1..value_rows() for head size `dim`, compiled for this CPU: row 0 for
-    float32 caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 on CPUs with AVX512-VNNI
-    row 2 for q8 ones."""
+    """The addresses of @scores, @softmax and @values_1..value_rows() for head size `dim`, compiled for this CPU:
+    row 0 for float32 caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 on CPUs with
+    AVX512-VNNI row 2 for q8 ones (the softmax is the same in every row)."""
     q8 = dim % 64 == 0 and capabilities.available("q8 cache attention")  # vpdpbusd, heads a multiple of 64
     wide = capabilities.host_has("avx512f")
     most = value_rows(wide)
     text, names = source(dim, q8, most, depth_first=not wide)
-    return compile_ir(text, names, "q8 cache attention" if q8 else "cache attention").reshape(-1, 1 + most)
+    addresses = compile_ir(text, names, "q8 cache attention" if q8 else "cache attention")
+    tiles = addresses[:-1].reshape(-1, 1 + most)
+    return np.insert(tiles, 1, addresses[-1], axis=1)
 
 
 def source(dim: int, q8: bool, most: int = GROUP, depth_first: bool = False) -> tuple[str, list[str]]:
     """The IR module of the tiles for head size `dim` (with the q8 cache's, which need AVX512-VNNI), their values
-    tiles for 1..`most` rows, their scores tiles' sums added down depth first or not (scores_ir), and their names."""
+    tiles for 1..`most` rows, their scores tiles' sums added down depth first or not (scores_ir), and the softmax
+    (last), and their names."""
     if dim % 16:
         raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
     sizes = (4, 2, 1) if q8 else (4, 2)
-    text = (FMA_DECLARATION + ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n" if q8 else "")
+    text = (DECLARATIONS + ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n" if q8 else "")
             + "".join((scores_ir(dim, size, depth_first) if size > 1 else scores_q8_ir(dim))
-                      + "".join(values_ir(dim, rows, size) for rows in range(1, most + 1)) for size in sizes))
+                      + "".join(values_ir(dim, rows, size) for rows in range(1, most + 1)) for size in sizes)
+            + softmax_ir("softmax", bfloat16=False))
     names = [f"{kind}{size}{suffix}" for size in sizes
              for kind, suffix in [("scores", "")] + [("values", f"_{rows}") for rows in range(1, most + 1)]]
-    return text, names
+    return text, names + ["softmax"]

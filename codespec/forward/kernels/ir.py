@@ -60,6 +60,85 @@ def exp_ir(out: str, x: str, shift: str = "zeroinitializer") -> str:
     return text + f"  %{out} = fmul {v} {previous}, %{out}.two\n"
 
 
+SOFTMAX_DECLARATIONS = "".join(f"declare {d}\n" for d in (
+    f"{VECTOR} @llvm.maxnum.v16f32({VECTOR}, {VECTOR})", f"float @llvm.vector.reduce.fmax.v16f32({VECTOR})",
+    f"{VECTOR} @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, {VECTOR})",
+    f"float @llvm.vector.reduce.fadd.v16f32(float, {VECTOR})"))
+
+
+def softmax_ir(name: str, bfloat16: bool) -> str:
+    """@name(s, valid, w, width, inverse, unused): a row's softmax over its own keys s[:valid], zero weights in
+    w[valid:width] (width a multiple of 16). With `bfloat16`: w[:valid] = exp(s - max) as bfloat16 (the largest
+    weight 1) and inverse[0] = 1 / their sum (in float32, before the rounding), so that a values tile's sums times it
+    are the attention (one multiply per row and dimension instead of one per weight); else w[:valid] = exp(s - max) /
+    their sum in float32 and `inverse` is not touched. 16 lanes at a time; only the last, partial block is masked.
+    The row's sums run over its own keys only, in one order fixed here (the partial block first, then the blocks in
+    order, then the 16 lanes added down), whatever calls it: numba's fast-math loops let LLVM pick the order of a
+    sum by what it was inlined into, and a process that compiled a kernel afresh could differ in the last bit from
+    one that loaded it from numba's cache. Needs EXP_DECLARATIONS and SOFTMAX_DECLARATIONS."""
+    v = VECTOR
+    out, align = ("<16 x bfloat>", 2) if bfloat16 else (v, 4)
+    scalar = "bfloat" if bfloat16 else "float"
+
+    def stored(value: str, name: str, offset: str) -> str:  # 16 weights into w[offset:]
+        if not bfloat16:
+            return f"  %{name}.q = getelementptr float, ptr %w, i64 {offset}\n  store {v} {value}, ptr %{name}.q, align 4\n"
+        return (f"  %{name}.h = fptrunc {v} {value} to {out}\n  %{name}.q = getelementptr bfloat, ptr %w, i64 {offset}\n"
+                f"  store {out} %{name}.h, ptr %{name}.q, align 2\n")
+
+    indices = "<i32 " + ", i32 ".join(str(i) for i in range(16)) + ">"
+    minus = "splat (float 0xFFF0000000000000)"
+    text = (f"define void @{name}(ptr noalias %s, i64 %valid, ptr noalias %w, i64 %width, ptr noalias %inverse, "
+            "i64 %unused) {\nentry:\n  %full = lshr i64 %valid, 4\n  %rest = and i64 %valid, 15\n"
+            "  %rest.nz = icmp ne i64 %rest, 0\n  %rest.any = zext i1 %rest.nz to i64\n"
+            "  %rest.t = trunc i64 %rest to i32\n  %rest.i = insertelement <16 x i32> poison, i32 %rest.t, i64 0\n"
+            "  %rest.s = shufflevector <16 x i32> %rest.i, <16 x i32> poison, <16 x i32> zeroinitializer\n"
+            f"  %tail = icmp ult <16 x i32> {indices}, %rest.s\n  %tail.o = shl i64 %full, 4\n"
+            "  %tail.p = getelementptr float, ptr %s, i64 %tail.o\n"
+            f"  %tail.x = call {v} @llvm.masked.load.v16f32.p0(ptr %tail.p, i32 4, <16 x i1> %tail, {v} {minus})\n"
+            "  %some = icmp ne i64 %full, 0\n  br i1 %some, label %top, label %top.end\n"
+            "top:\n  %i = phi i64 [ 0, %entry ], [ %i.next, %top ]\n"
+            f"  %m = phi {v} [ %tail.x, %entry ], [ %m.next, %top ]\n  %a.o = shl i64 %i, 4\n"
+            f"  %a.p = getelementptr float, ptr %s, i64 %a.o\n  %a.x = load {v}, ptr %a.p, align 4\n"
+            f"  %m.next = call {v} @llvm.maxnum.v16f32({v} %m, {v} %a.x)\n  %i.next = add i64 %i, 1\n"
+            "  %i.done = icmp eq i64 %i.next, %full\n  br i1 %i.done, label %top.end, label %top\n"
+            f"top.end:\n  %m.all = phi {v} [ %tail.x, %entry ], [ %m.next, %top ]\n"
+            f"  %most = call float @llvm.vector.reduce.fmax.v16f32({v} %m.all)\n"
+            f"  %shift = fmul float %most, {constant(-LOG2E)}\n"
+            f"  %shift.i = insertelement {v} poison, float %shift, i64 0\n"
+            f"  %shift.s = shufflevector {v} %shift.i, {v} poison, <16 x i32> zeroinitializer\n"
+            + exp_ir("t.e", "%tail.x", "%shift.s") +
+            f"  %t.z = select <16 x i1> %tail, {v} %t.e, {v} zeroinitializer\n"
+            "  br i1 %some, label %exp, label %exp.end\n"
+            "exp:\n  %j = phi i64 [ 0, %top.end ], [ %j.next, %exp ]\n"
+            f"  %t = phi {v} [ %t.z, %top.end ], [ %t.next, %exp ]\n  %b.o = shl i64 %j, 4\n"
+            f"  %b.p = getelementptr float, ptr %s, i64 %b.o\n  %b.x = load {v}, ptr %b.p, align 4\n"
+            + exp_ir("b.e", "%b.x", "%shift.s") + stored("%b.e", "b", "%b.o") + f"  %t.next = fadd {v} %t, %b.e\n  %j.next = add i64 %j, 1\n"
+            "  %j.done = icmp eq i64 %j.next, %full\n  br i1 %j.done, label %exp.end, label %exp\n"
+            f"exp.end:\n  %t.all = phi {v} [ %t.z, %top.end ], [ %t.next, %exp ]\n"
+            f"  %total = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, {v} %t.all)\n"
+            "  %inv = fdiv float 1.0, %total\n")
+    text += ("  store float %inv, ptr %inverse, align 4\n" if bfloat16 else "")
+    text += ("  br i1 %rest.nz, label %last, label %fill\n"
+             "last:\n" + stored("%t.z", "t", "%tail.o")
+             + "  br label %fill\nfill:\n  %blocks = add i64 %full, %rest.any\n  %from = shl i64 %blocks, 4\n")
+    if not bfloat16:  # each weight times the inverse of the sum
+        text += (f"  %inv.i = insertelement {v} poison, float %inv, i64 0\n"
+                 f"  %inv.s = shufflevector {v} %inv.i, {v} poison, <16 x i32> zeroinitializer\n"
+                 "  %any = icmp ne i64 %blocks, 0\n  br i1 %any, label %scale, label %scaled\n"
+                 "scale:\n  %c = phi i64 [ 0, %fill ], [ %c.next, %scale ]\n  %c.o = shl i64 %c, 4\n"
+                 f"  %c.p = getelementptr float, ptr %w, i64 %c.o\n  %c.x = load {v}, ptr %c.p, align 4\n"
+                 f"  %c.y = fmul {v} %c.x, %inv.s\n  store {v} %c.y, ptr %c.p, align 4\n"
+                 "  %c.next = add i64 %c, 1\n  %c.done = icmp eq i64 %c.next, %blocks\n"
+                 "  br i1 %c.done, label %scaled, label %scale\nscaled:\n")
+    return text + ("  %empty = icmp uge i64 %from, %width\n  br i1 %empty, label %exit, label %zero\n"
+                   f"zero:\n  %z = phi i64 [ %from, %{'fill' if bfloat16 else 'scaled'} ], [ %z.next, %zero ]\n"
+                   f"  %z.p = getelementptr {scalar}, ptr %w, i64 %z\n"
+                   f"  store {out} zeroinitializer, ptr %z.p, align {align}\n"
+                   "  %z.next = add i64 %z, 16\n  %z.done = icmp uge i64 %z.next, %width\n"
+                   "  br i1 %z.done, label %exit, label %zero\nexit:\n  ret void\n}\n")
+
+
 def lanes(picks) -> str:
     return ", ".join(f"i32 {i}" for i in picks)
 

@@ -29,7 +29,7 @@ from numba import prange
 
 from .attention import _bits, _widened, _write, elements
 from . import capabilities
-from .ir import EXP_DECLARATIONS, LOG2E, VECTOR, constant, exp_ir, running_sums, splat, stored_sums
+from .ir import EXP_DECLARATIONS, SOFTMAX_DECLARATIONS, VECTOR, running_sums, softmax_ir, splat, stored_sums
 from .native import call, compile_ir
 
 ROWS = 4  # query rows per tile
@@ -98,59 +98,6 @@ def values_ir(dim: int) -> str:
     return text + stored_sums(ROWS, chunks, dim, "%step")
 
 
-def softmax_ir() -> str:
-    """@psoftmax(s, valid, w, width, inverse, unused): w[:valid] = exp(s[:valid] - max) as bfloat16 (the largest
-    weight 1), w[valid:width] = 0 (width a multiple of 16), and inverse[0] = 1 / their sum (in float32, before the
-    rounding): the values tile's sums times it are the attention, one multiply per row and dimension instead of one
-    per weight. 16 lanes at a time; only the last, partial block is masked. The row's sums run over its own keys
-    only, in one order (the partial block first)."""
-    v, bf = VECTOR, "<16 x bfloat>"
-    lanes = "<i32 " + ", i32 ".join(str(i) for i in range(16)) + ">"
-    minus = "splat (float 0xFFF0000000000000)"
-    text = ("define void @psoftmax(ptr noalias %s, i64 %valid, ptr noalias %w, i64 %width, ptr noalias %inverse, "
-            "i64 %unused) {\nentry:\n  %full = lshr i64 %valid, 4\n  %rest = and i64 %valid, 15\n"
-            "  %rest.nz = icmp ne i64 %rest, 0\n  %rest.any = zext i1 %rest.nz to i64\n"
-            "  %rest.t = trunc i64 %rest to i32\n  %rest.i = insertelement <16 x i32> poison, i32 %rest.t, i64 0\n"
-            "  %rest.s = shufflevector <16 x i32> %rest.i, <16 x i32> poison, <16 x i32> zeroinitializer\n"
-            f"  %tail = icmp ult <16 x i32> {lanes}, %rest.s\n  %tail.o = shl i64 %full, 4\n"
-            "  %tail.p = getelementptr float, ptr %s, i64 %tail.o\n"
-            f"  %tail.x = call {v} @llvm.masked.load.v16f32.p0(ptr %tail.p, i32 4, <16 x i1> %tail, {v} {minus})\n"
-            "  %some = icmp ne i64 %full, 0\n  br i1 %some, label %top, label %top.end\n"
-            "top:\n  %i = phi i64 [ 0, %entry ], [ %i.next, %top ]\n"
-            f"  %m = phi {v} [ %tail.x, %entry ], [ %m.next, %top ]\n  %a.o = shl i64 %i, 4\n"
-            f"  %a.p = getelementptr float, ptr %s, i64 %a.o\n  %a.x = load {v}, ptr %a.p, align 4\n"
-            f"  %m.next = call {v} @llvm.maxnum.v16f32({v} %m, {v} %a.x)\n  %i.next = add i64 %i, 1\n"
-            "  %i.done = icmp eq i64 %i.next, %full\n  br i1 %i.done, label %top.end, label %top\n"
-            f"top.end:\n  %m.all = phi {v} [ %tail.x, %entry ], [ %m.next, %top ]\n"
-            f"  %most = call float @llvm.vector.reduce.fmax.v16f32({v} %m.all)\n"
-            f"  %shift = fmul float %most, {constant(-LOG2E)}\n"
-            f"  %shift.i = insertelement {v} poison, float %shift, i64 0\n"
-            f"  %shift.s = shufflevector {v} %shift.i, {v} poison, <16 x i32> zeroinitializer\n"
-            + exp_ir("t.e", "%tail.x", "%shift.s") +
-            f"  %t.z = select <16 x i1> %tail, {v} %t.e, {v} zeroinitializer\n"
-            "  br i1 %some, label %exp, label %exp.end\n"
-            "exp:\n  %j = phi i64 [ 0, %top.end ], [ %j.next, %exp ]\n"
-            f"  %t = phi {v} [ %t.z, %top.end ], [ %t.next, %exp ]\n  %b.o = shl i64 %j, 4\n"
-            f"  %b.p = getelementptr float, ptr %s, i64 %b.o\n  %b.x = load {v}, ptr %b.p, align 4\n"
-            + exp_ir("b.e", "%b.x", "%shift.s") +
-            f"  %b.h = fptrunc {v} %b.e to {bf}\n  %b.q = getelementptr bfloat, ptr %w, i64 %b.o\n"
-            f"  store {bf} %b.h, ptr %b.q, align 2\n  %t.next = fadd {v} %t, %b.e\n  %j.next = add i64 %j, 1\n"
-            "  %j.done = icmp eq i64 %j.next, %full\n  br i1 %j.done, label %exp.end, label %exp\n"
-            f"exp.end:\n  %t.all = phi {v} [ %t.z, %top.end ], [ %t.next, %exp ]\n"
-            f"  %total = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, {v} %t.all)\n"
-            "  %inv = fdiv float 1.0, %total\n  store float %inv, ptr %inverse, align 4\n"
-            "  br i1 %rest.nz, label %last, label %fill\n"
-            f"last:\n  %t.h = fptrunc {v} %t.z to {bf}\n  %t.q = getelementptr bfloat, ptr %w, i64 %tail.o\n"
-            f"  store {bf} %t.h, ptr %t.q, align 2\n  br label %fill\n"
-            "fill:\n  %blocks = add i64 %full, %rest.any\n  %from = shl i64 %blocks, 4\n")
-    return text + ("  %empty = icmp uge i64 %from, %width\n  br i1 %empty, label %exit, label %zero\n"
-                   "zero:\n  %z = phi i64 [ %from, %fill ], [ %z.next, %zero ]\n"
-                   "  %z.p = getelementptr bfloat, ptr %w, i64 %z\n"
-                   f"  store {bf} zeroinitializer, ptr %z.p, align 2\n"
-                   "  %z.next = add i64 %z, 16\n  %z.done = icmp uge i64 %z.next, %width\n"
-                   "  br i1 %z.done, label %exit, label %zero\nexit:\n  ret void\n}\n")
-
-
 NAMES = ["pscores", "pvalues", "psoftmax"]
 
 
@@ -162,12 +109,8 @@ def kernels(dim: int) -> np.ndarray:
 
 def source(dim: int) -> str:
     """The IR module of the three tiles for head size `dim`."""
-    declare = [f"{VECTOR} {DOT}({VECTOR}, {BF16}, {BF16})", f"{VECTOR} @llvm.maxnum.v16f32({VECTOR}, {VECTOR})",
-               f"{VECTOR} @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, {VECTOR})",
-               f"float @llvm.vector.reduce.fmax.v16f32({VECTOR})",
-               f"float @llvm.vector.reduce.fadd.v16f32(float, {VECTOR})"]
-    return (EXP_DECLARATIONS + "".join(f"declare {d}\n" for d in declare) + scores_ir(dim) + values_ir(dim)
-            + softmax_ir())
+    return (EXP_DECLARATIONS + SOFTMAX_DECLARATIONS + f"declare {VECTOR} {DOT}({VECTOR}, {BF16}, {BF16})\n"
+            + scores_ir(dim) + values_ir(dim) + softmax_ir("psoftmax", bfloat16=True))
 
 
 def fits(dim: int) -> bool:
