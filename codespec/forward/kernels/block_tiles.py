@@ -212,6 +212,28 @@ def tiles(kind: str) -> np.ndarray:
     return compile_ir(*source(kind), "float block tiles")
 
 
+@numba.njit(fastmath=False, cache=True, boundscheck=False)
+def sum_of_squares(x):
+    """x . x (float32 [n]) in one order whatever calls it: eight running sums over x[i::8] (the tail's into the
+    first), added pairwise. Without fast-math, so no caller's flags and no inlining can reorder it: the order of a
+    fast-math loop's sum is LLVM's pick, and the pick followed what the loop was compiled into (a process that
+    compiled the kernels could then differ from one that loaded them from numba's cache)."""
+    n = x.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    for i in range(0, n - n % 8, 8):
+        s0 += x[i] * x[i]
+        s1 += x[i + 1] * x[i + 1]
+        s2 += x[i + 2] * x[i + 2]
+        s3 += x[i + 3] * x[i + 3]
+        s4 += x[i + 4] * x[i + 4]
+        s5 += x[i + 5] * x[i + 5]
+        s6 += x[i + 6] * x[i + 6]
+        s7 += x[i + 7] * x[i + 7]
+    for i in range(n - n % 8, n):
+        s0 += x[i] * x[i]
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
 @numba.njit(fastmath=True, cache=True, boundscheck=False)
 def normed(x, norm, eps):
     """x's rows RMS-normalised and times `norm` (when norm has entries; else a contiguous copy of x)."""
@@ -220,10 +242,7 @@ def normed(x, norm, eps):
     for r in range(rows):
         scale = np.float32(1.0)
         if norm.shape[0]:
-            total = np.float32(0.0)
-            for i in range(size):
-                total += x[r, i] * x[r, i]
-            scale = np.float32(1.0) / np.sqrt(total / np.float32(size) + eps)
+            scale = np.float32(1.0) / np.sqrt(sum_of_squares(x[r]) / np.float32(size) + eps)
         for i in range(size):
             out[r, i] = x[r, i] * scale * (norm[i] if norm.shape[0] else np.float32(1.0))
     return out

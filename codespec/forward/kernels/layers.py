@@ -185,9 +185,7 @@ def _attention_in(x, norm, eps, weight, bias, qk_norm, rotary, rotated):
         dim = 2 * half
         for r in range(rows):
             for h in range(qk_norm.shape[0]):
-                total = np.float32(0.0)
-                for i in range(dim):
-                    total += qkv[r, h * dim + i] * qkv[r, h * dim + i]
+                total = block_tiles.sum_of_squares(qkv[r, h * dim : (h + 1) * dim])
                 inverse = np.float32(1.0) / np.sqrt(total / np.float32(dim) + eps)
                 for i in range(dim):
                     qkv[r, h * dim + i] = qkv[r, h * dim + i] * inverse * qk_norm[h, i]
