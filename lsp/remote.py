@@ -14,9 +14,8 @@ What goes over the wire, and why:
   ids, on this side). In process the answer is primed with the opening code fence; the chat route cannot prime
   an answer, so the model writes the fence line itself, which is dropped here, and the server stops at the
   closing fence (stop "\n```"), so the edit and its statistics arrive as in process. The selection also goes as
-  OpenAI's predicted output (`prediction`): today's server ignores it and drafts the rewrite with prompt lookup
-  and the shared pool from the selection in the prompt; a server that hands it to the edit-aligned drafter as
-  its reference drafts it as in process.
+  OpenAI's predicted output (`prediction`): codespec's server hands it to the edit-aligned drafter as its
+  reference, so the rewrite is drafted as in process.
 - **Sessions**: every document has a stable session name (`session` in the body and the `X-Session-Id` header,
   for gateways that route by it), derived from this language server's instance and the document, so two editors
   with the same paths never share (and thrash) one cache. Closing a document does not drop its server session:

@@ -31,6 +31,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="tokens per generation in the never-slower lane (default 32,128,512)")
     bench.add_argument("--two-session", action="store_true",
                        help="session A rewrites a file, then session B rewrites it: the shared pool at work")
+    bench.add_argument("--predicted", action="store_true",
+                       help="Predicted Outputs through the HTTP server: each edit plain, with the default chain, and "
+                            "with the chain and a prediction: the model's own answer, the original code, another "
+                            "function's (writes predicted.json)")
     bench.add_argument("--forward-costs", action="store_true",
                        help="only time one forward over k = 1..64 tokens per forward path, next to the machine's "
                             "floor, with a profile (a full run includes this)")
@@ -134,6 +138,14 @@ def run(args) -> int:
         print(format_rows(rows))
         (out / "two-session.json").write_text(json.dumps({"two_session": rows, "max_tokens": args.max_tokens},
                                                          indent=2))
+        return 0
+    if args.predicted:
+        from .predicted import CONFIGS, format_predicted, run_predicted, workloads
+
+        with tqdm(total=len(workloads()) * len(CONFIGS) * repeats, desc="predicted", unit="run") as progress:
+            rows = run_predicted(engine, max_tokens, repeats, progress=progress)
+        print(format_predicted(rows))
+        (out / "predicted.json").write_text(json.dumps({"predicted": rows, "max_tokens": max_tokens}, indent=2))
         return 0
     if args.never_slower:
         from .never_slower import format_lane, rounds, run_lane

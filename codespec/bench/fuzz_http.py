@@ -131,9 +131,10 @@ def hostile_cases(url: str, read_timeout: float) -> list[tuple[str, object, obje
     stall_wait = read_timeout + 10
     cases = [
         ("invalid UTF-8", 400, lambda: post(url, "/v1/completions", b'{"prompt": "a\xff\xfeb"}')),
-        ("U+D800 as raw bytes ED A0 80", 422, lambda: post(url, "/infill", b'{"input_prefix": "a\xed\xa0\x80"}')),
-        ("lone surrogate in input_prefix", 422, lambda: post(url, "/infill", b'{"input_prefix": "\\ud800"}')),
-        ("lone surrogate in input_extra", 422,
+        # llama.cpp's routes answer an invalid body with llama-server's 400, OpenAI's with 422
+        ("U+D800 as raw bytes ED A0 80", 400, lambda: post(url, "/infill", b'{"input_prefix": "a\xed\xa0\x80"}')),
+        ("lone surrogate in input_prefix", 400, lambda: post(url, "/infill", b'{"input_prefix": "\\ud800"}')),
+        ("lone surrogate in input_extra", 400,
          lambda: post(url, "/infill", b'{"input_prefix": "x", "input_extra": [{"text": "\\udfff"}]}')),
         ("lone surrogate in a completion prompt", 422, lambda: post(url, "/v1/completions", b'{"prompt": "\\ud800"}')),
         ("lone surrogate in chat content", 422, lambda: post(
@@ -154,14 +155,19 @@ def hostile_cases(url: str, read_timeout: float) -> list[tuple[str, object, obje
         ("1,024 input_extra chunks", 200, lambda: post(url, "/infill", {
             "input_prefix": "x", "n_predict": 4,
             "input_extra": [{"filename": f"f{i}.py", "text": f"value_{i} = {i}\n" * 20} for i in range(1024)]})),
-        ("5,000 input_extra chunks", 422, lambda: post(url, "/infill", {
+        ("5,000 input_extra chunks", 400, lambda: post(url, "/infill", {
             "input_prefix": "x", "input_extra": [{"text": "y"}] * 5000})),
         ("temperature 1e-39", 400, lambda: post(url, "/infill", {"input_prefix": "x", "temperature": 1e-39})),
         ("top_p 5e-324", 422, lambda: post(url, "/v1/completions", {"prompt": "x", "top_p": 5e-324})),
         ("NaN temperature", 422, lambda: post(url, "/v1/completions", b'{"prompt": "x", "temperature": NaN}')),
         ("Infinity max_tokens", 422, lambda: post(url, "/v1/completions", b'{"prompt": "x", "max_tokens": Infinity}')),
-        ("a 400-digit n_predict", 422, lambda: post(url, "/infill", b'{"n_predict": 1' + b"0" * 400 + b"}")),
-        ("body null", 422, lambda: post(url, "/infill", b"null")),
+        ("a 400-digit n_predict", 400, lambda: post(url, "/infill", b'{"n_predict": 1' + b"0" * 400 + b"}")),
+        ("body null", 400, lambda: post(url, "/infill", b"null")),
+        ("lone surrogate to /tokenize", 400, lambda: post(url, "/tokenize", b'{"content": "\\udc00"}')),
+        ("a token id past the vocabulary to /detokenize", 400,
+         lambda: post(url, "/detokenize", {"tokens": [1, 2, 2_000_000_000]})),
+        ("a 3.9 MB text to /tokenize", 200, lambda: post(url, "/tokenize", {"content": "word " * 780_000})),
+        ("a 3.9 MB prompt to /completion", 400, lambda: post(url, "/completion", {"prompt": "word " * 780_000})),
         ("body a string", 422, lambda: post(url, "/v1/chat/completions", b'"hello"')),
         ("empty body", 422, lambda: post(url, "/v1/completions", b"")),
         ("text/plain from another origin", 403, lambda: post(url, "/v1/completions", {"prompt": "x"}, {

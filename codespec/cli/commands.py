@@ -9,7 +9,7 @@ import sys
 
 from ..config import DEFAULT_MODEL, ModelConfig
 from ..errors import CodespecError
-from .options import MODEL_FLAGS, build_parser, server_config, settings_from_args
+from .options import MODEL_FLAGS, build_parser, served_names, server_config, settings_from_args
 
 
 def read_prompt(args) -> str:
@@ -112,7 +112,22 @@ def run_lsp(args) -> int:
     return 0
 
 
+def apply_threads(threads: int | None) -> None:
+    """-t/--threads: PyTorch's threads, which numba's pool follows on the engine's worker
+    (forward/kernels/attention.match_threads), and numba's on this thread."""
+    if threads is None:
+        return
+    import numba
+    import torch
+
+    torch.set_num_threads(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
 def run_serve(args) -> int:
+    if args.replicas and args.threads is not None:
+        raise CodespecError("-t/--threads sets this process's threads; with --replicas, --replica-cpus sets each "
+                            "replica's")
     if args.replicas:
         try:
             from ..replicas.deploy import run_replicas
@@ -123,18 +138,17 @@ def run_serve(args) -> int:
 
     from ..engine import Engine
     from .memory import return_freed_memory
-    from ..forward.models import DEFAULT_ALIASES, DEFAULT_NAME
     from ..server import create_app, uvicorn_options
 
     return_freed_memory()  # a long-running process: freed buffers go back to the system (memory.py)
 
     model_config, spec, params = settings_from_args(args)
     config = server_config(args)
+    apply_threads(args.threads)
     engine = Engine.load(model_config, spec, show_progress=sys.stderr.isatty())
     engine.cache_reuse = args.cache_reuse
     print(f"codespec: {engine.plan}", file=sys.stderr, flush=True)
-    name = DEFAULT_NAME if model_config.model in DEFAULT_ALIASES else model_config.model
-    aliases = DEFAULT_ALIASES if model_config.model in DEFAULT_ALIASES else ()  # smollm2, default
+    name, aliases = served_names(model_config.model, args.alias)  # (smollm2, default: the embedded model's)
     app = create_app(engine, config, params, spec, model_name=name, model_aliases=aliases)
     print(f"codespec: serving {name} on http://{config.host}:{config.port} (/infill, /v1/completions, "
           f"/v1/chat/completions, /metrics, /slots)", file=sys.stderr, flush=True)

@@ -10,9 +10,10 @@ import os
 from ..bench.command import add_arguments as add_bench_arguments
 from ..config import DEFAULT_MODEL, SPEC_CHOICES, ModelConfig, SamplingParams, ServerConfig, SpecConfig
 from ..errors import CodespecError
-from .types import MODEL_FLAGS, OneLineParser, add_model_options, add_spec_options, bounded_int, name_list, spec_list
+from .types import (MODEL_FLAGS, OneLineParser, add_model_options, add_spec_options, bounded_int, llama_spec_list,
+                    name_list, spec_list)
 
-__all__ = ["MODEL_FLAGS", "build_parser", "server_config", "settings_from_args"]
+__all__ = ["MODEL_FLAGS", "build_parser", "served_names", "server_config", "settings_from_args"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,15 +81,18 @@ def add_lsp(commands) -> None:
 
 
 def add_serve(commands) -> argparse.ArgumentParser:
-    """`codespec serve`: the HTTP server's own options, then the model's, the drafters' and the engine's."""
+    """`codespec serve`: the HTTP server's own options, then the model's, the drafters' and the engine's; where
+    llama-server has a flag for the same setting, its spelling too (-m, -md, -ctk/-ctv, -t, --alias, --spec-type,
+    -c, -n), so a llama-server command line starts codespec."""
     serve = commands.add_parser("serve", help="HTTP server: llama.cpp-compatible /infill, OpenAI completions "
                                               "and chat, /metrics, /slots")
     server = ServerConfig()
     serve.add_argument("--host", default=server.host, help=f"(default {server.host}: this machine only)")
     serve.add_argument("--port", type=bounded_int(0, 65535), default=server.port, help=f"(default {server.port})")
     serve.add_argument("--api-key", default=os.environ.get("CODESPEC_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' (default: $CODESPEC_API_KEY, else none); several "
-                            "keys comma-separated: each key's clients get their own sessions and caches")
+                       help="require 'Authorization: Bearer KEY' or 'X-Api-Key: KEY' (default: $CODESPEC_API_KEY, "
+                            "else none); several keys comma-separated: each key's clients get their own sessions "
+                            "and caches")
     serve.add_argument("--allowed-hosts", type=name_list, default=(), metavar="NAMES",
                        help="Host names to serve besides localhost, IP addresses and --host, comma-separated "
                             "('*.lan': any name under lan, '*': any); others get 403 (DNS rebinding)")
@@ -98,10 +102,18 @@ def add_serve(commands) -> argparse.ArgumentParser:
     serve.add_argument("--read-timeout", type=float, default=server.read_timeout, metavar="SECONDS",
                        help=f"seconds a client may take to send its request headers, then its body "
                             f"(default {server.read_timeout:g})")
-    add_model_options(serve)
-    serve.add_argument("--spec", type=spec_list, default=None,
-                       help=f"default drafter chain (default {','.join(SpecConfig().spec)}); requests may override")
-    add_spec_options(serve)
+    serve.add_argument("--alias", type=name_list, default=(), metavar="NAME",
+                       help="the model name every answer reports and /v1/models lists (llama-server's --alias; "
+                            "default: the model's); more names comma-separated are accepted in requests' `model`, as "
+                            "is the model's own name")
+    serve.add_argument("-t", "--threads", type=bounded_int(1, 4096), default=None, metavar="N",
+                       help="CPU threads for PyTorch and numba (llama-server's -t; default: PyTorch's, one per core)")
+    add_model_options(serve, llama_server=True)
+    serve.add_argument("--spec", "--spec-type", type=llama_spec_list, default=None,
+                       help=f"default drafter chain (default {','.join(SpecConfig().spec)}); requests may override; "
+                            "--spec-type takes llama-server's names too (ngram-simple: prompt-lookup, draft-simple: "
+                            "draft)")
+    add_spec_options(serve, llama_server=True)
     serve.add_argument("--config", help="TOML file with [model], [spec] and [sampling] tables (flags override it)")
     serve.add_argument("--max-queue", type=bounded_int(1, 1 << 16), default=server.max_queue,
                        help=f"requests waiting before 429 (default {server.max_queue})")
@@ -135,6 +147,19 @@ def add_replicas(serve) -> None:
     serve.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"), metavar="ADDRESS",
                        help="the Ray cluster for --replicas ('auto', ray://HOST:10001; default $RAY_ADDRESS, else "
                             "a local Ray started and stopped with this command)")
+
+
+def served_names(model: str, alias: tuple[str, ...] = ()) -> tuple[str, tuple[str, ...]]:
+    """The name every answer reports and the other names a request's `model` may give: --alias's first name, else
+    the model's (the embedded model's own name for its aliases); the model's names stay accepted."""
+    from ..forward.models import DEFAULT_ALIASES, DEFAULT_NAME
+
+    name = DEFAULT_NAME if model in DEFAULT_ALIASES else model
+    accepted = set(DEFAULT_ALIASES) if model in DEFAULT_ALIASES else set()
+    if alias:
+        accepted |= {name, *alias[1:]}
+        name = alias[0]
+    return name, tuple(sorted(accepted - {name}))
 
 
 def settings_from_args(args) -> tuple[ModelConfig, SpecConfig, SamplingParams]:

@@ -38,6 +38,9 @@ class Draft:
     # Seconds of the draft spent catching up on history the drafter had not read (a draft model after a
     # prompt or a pause): paid once, not per draft token, so adaptive speculation does not count it as one.
     catch_up_seconds: float = 0.0
+    # A guess the drafter is not sure of (edit-align just after re-finding its place): the chain asks the drafters
+    # after it first, and verifies this one only when none of them drafts.
+    tentative: bool = False
 
 
 def common_prefix(a, b) -> int:

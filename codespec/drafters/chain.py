@@ -1,4 +1,5 @@
-"""A chain of drafters: the first non-empty draft wins; every drafter hears every event and is timed."""
+"""A chain of drafters: the first non-empty draft wins (a tentative one only when no drafter after it drafts);
+every drafter hears every event and is timed."""
 
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ class Chain:
             stats.begin_s += time.perf_counter() - started
 
     def draft(self, history: np.ndarray, max_tokens: int, limit=None) -> Draft | None:
-        """The first draft of at least draft_min tokens. limit(name, max_tokens), when given, caps what one
-        drafter may draft (0: skip it) — adaptive speculation's say on drafters whose drafting is costly."""
+        """The first draft of at least draft_min tokens that is not tentative, else the first tentative one.
+        limit(name, max_tokens), when given, caps what one drafter may draft (0: skip it) — adaptive speculation's
+        say on drafters whose drafting is costly."""
         self._last = None
         self.called = []
         if max_tokens < self.draft_min:
             return None
+        fallback: tuple[int, Draft] | None = None
         for index, (drafter, stats) in enumerate(zip(self.drafters, self.stats)):
             allowed = limit(drafter.name, max_tokens) if limit is not None else max_tokens
             if allowed < self.draft_min:  # held back: adaptive speculation judged its drafting would not pay
@@ -49,8 +52,13 @@ class Chain:
             stats.calls += 1
             if proposal is not None and len(proposal.tokens) >= self.draft_min:
                 proposal.tokens = proposal.tokens[:allowed]
-                self._last = index
-                return proposal
+                if not proposal.tentative:
+                    self._last = index
+                    return proposal
+                fallback = fallback or (index, proposal)
+        if fallback is not None:
+            self._last = fallback[0]
+            return fallback[1]
         return None
 
     @property

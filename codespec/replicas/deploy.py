@@ -230,7 +230,8 @@ class Gateway:
     async def replicas(self, request: Request):
         """Each live replica: its id, process id, node, sessions and load (the API key is needed, as for /slots)."""
         if self.api_keys and not self.authorized(request):
-            return error(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error")
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY or X-Api-Key: KEY)",
+                         "authentication_error")
         infos = []
         for rid in await self.replica_ids():
             try:
@@ -283,19 +284,19 @@ class Gateway:
         return ids
 
     def authorized(self, request: Request) -> bool:
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
-        return any(secrets.compare_digest(given, key.encode()) for key in self.api_keys)
+        """`Authorization: Bearer KEY` or `X-Api-Key: KEY`, as the replicas' own check (server/middleware.py)."""
+        given = [request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode(),
+                 request.headers.get("x-api-key", "").strip().encode()]
+        return any([secrets.compare_digest(sent, key.encode()) for key in self.api_keys for sent in given])
 
 
 def build_app(args, replicas: int):
     """The Serve application for parsed `codespec serve` arguments (codespec/cli/options.py)."""
-    from ..cli.options import server_config, settings_from_args
-    from ..forward.models import DEFAULT_ALIASES, DEFAULT_NAME
+    from ..cli.options import served_names, server_config, settings_from_args
 
     model, spec, params = settings_from_args(args)
     server = server_config(args)
-    name = DEFAULT_NAME if model.model in DEFAULT_ALIASES else model.model
-    aliases = DEFAULT_ALIASES if model.model in DEFAULT_ALIASES else ()
+    name, aliases = served_names(model.model, getattr(args, "alias", ()))
     cpus = args.replica_cpus
     settings = ReplicaSettings(model, spec, params, server, name, tuple(aliases), threads=max(1, round(cpus)),
                                cache_reuse=getattr(args, "cache_reuse", 0) or 0)

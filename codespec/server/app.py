@@ -18,11 +18,11 @@ from .errors import ANY_ROUTE_ERRORS, install_error_handlers
 from .generation import Generations
 from .metrics import Metrics
 from .middleware import ApiKey, BrowserGuard, JsonByDefault, ReadTimeout, RequestMetrics, SizeLimit
-from .routes import ROUTERS
+from .routes import ALIASES, ROUTERS
 from .state import ServerState
 
 ROUTES = {"/infill", "/completion", "/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics",
-          "/slots"}
+          "/slots", "/props", "/tokenize", "/detokenize", "/apply-template", *ALIASES}
 
 
 @asynccontextmanager
@@ -32,8 +32,9 @@ async def lifespan(app: FastAPI):
 
 
 def create_app(engine, config: ServerConfig | None = None, params: SamplingParams | None = None, spec=None,
-               model_name: str = "codespec", model_aliases=()) -> FastAPI:
-    """model_name: the id /v1/models lists; a request's `model` must be it, one of model_aliases, or empty."""
+               model_name: str = "codespec", model_aliases=(), model_path: str | None = None) -> FastAPI:
+    """model_name: the id /v1/models lists; a request's `model` must be it, one of model_aliases, or empty.
+    model_path: what /props says the model was loaded from (default: the GGUF file, else the model's directory)."""
     config = config or ServerConfig()
     engine.session_memory = config.session_memory
     scheduler = Scheduler(engine, config.max_queue, config.parallel)
@@ -47,13 +48,20 @@ def create_app(engine, config: ServerConfig | None = None, params: SamplingParam
                   description="Lossless self-speculative decoding for coding assistants: llama.cpp-compatible "
                               "/infill and OpenAI-compatible completions.")
     app.state.server = ServerState(config, engine, scheduler, metrics, generations, costs, model_name,
-                                   frozenset({model_name, *model_aliases}))
+                                   frozenset({model_name, *model_aliases}),
+                                   model_path or loaded_from(engine, model_name))
     app.state.scheduler, app.state.metrics, app.state.engine, app.state.costs = scheduler, metrics, engine, costs
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
     install_middleware(app, config, metrics)
     return app
+
+
+def loaded_from(engine, model_name: str) -> str:
+    if getattr(engine, "gguf", None):
+        return str(engine.gguf)
+    return str(getattr(engine.model.config, "_name_or_path", "") or model_name)
 
 
 def install_middleware(app: FastAPI, config: ServerConfig, metrics: Metrics) -> None:

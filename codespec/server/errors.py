@@ -13,12 +13,17 @@ from starlette.exceptions import HTTPException
 
 from ..errors import CodespecError, DeviceMemoryFull
 from ..scheduler import QueueFull
+from .llamacpp import ContextExceeded
 from .schemas import ErrorResponse
 
 # every route: a wrong key, a foreign Host or Origin, a bug; a body's routes: its mistakes, limits and the queue
 ANY_ROUTE_ERRORS = {status: {"model": ErrorResponse} for status in (401, 403, 500)}
 BODY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 422, 429, 503)}
 OPENAI_ERRORS = {**BODY_ERRORS, 404: {"model": ErrorResponse}}  # and a model name this server does not serve
+# llama-server's own routes answer an invalid body with 400 (llama-server has no 422): their errors
+LLAMA_CPP_ERRORS = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 429, 503)}
+LLAMA_CPP_ROUTES = frozenset({"/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
+                              "/slots"})
 
 
 class Unsupported(CodespecError):
@@ -58,6 +63,11 @@ async def bad_request(request, exc):
     return error(400, str(exc), **({"param": exc.param} if isinstance(exc, Unsupported) else {}))
 
 
+async def context_exceeded(request, exc):
+    """llama-server's answer, on its routes and the OpenAI ones alike: both numbers inside `error`."""
+    return error(400, str(exc), "exceed_context_size_error", n_prompt_tokens=exc.n_prompt_tokens, n_ctx=exc.n_ctx)
+
+
 async def unknown_model(request, exc):
     served = request.app.state.server.model_name
     return error(404, f"The model '{exc}' does not exist; this server serves '{served}' (GET /v1/models)",
@@ -70,7 +80,8 @@ async def invalid(request, exc):
         return error(400, "the body is not valid JSON")
     where = "; ".join(f"{'.'.join(str(part) for part in p['loc'][1:]) or 'body'}: {p['msg']}" for p in problems)
     detail = [{key: p[key] for key in ("loc", "msg", "type") if key in p} for p in problems]
-    return error(422, where, detail=json.loads(json.dumps(detail, default=str)))
+    status = 400 if request.url.path in LLAMA_CPP_ROUTES else 422  # llama-server's routes: its 400
+    return error(status, where, detail=json.loads(json.dumps(detail, default=str)))
 
 
 async def http_error(request, exc):
@@ -86,7 +97,8 @@ async def bug(request, exc):
                  "server_error", headers={"Connection": "close"})
 
 
-HANDLERS = ((QueueFull, queue_full), (DeviceMemoryFull, device_full), (CodespecError, bad_request),
+HANDLERS = ((QueueFull, queue_full), (DeviceMemoryFull, device_full), (ContextExceeded, context_exceeded),
+            (CodespecError, bad_request),
             (UnknownModel, unknown_model), (RequestValidationError, invalid), (HTTPException, http_error),
             (Exception, bug))
 

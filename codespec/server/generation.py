@@ -23,6 +23,7 @@ import numpy as np
 
 from ..config import SamplingParams, ServerConfig, SpecConfig
 from ..request import Request, Requests, Run
+from .llamacpp import fitting
 
 MIN_REUSE = 8  # shared prompt tokens that make a slot worth reusing over an empty one
 
@@ -77,7 +78,19 @@ class Generation(Run):
                 "prompt_per_second": round(1e3 * prompt_n / prompt_ms, 3) if prompt_ms else 0.0,
                 "predicted_n": predicted_n, "predicted_ms": round(predicted_ms, 3),
                 "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
-                "predicted_per_second": round(1e3 * predicted_n / predicted_ms, 3) if predicted_ms else 0.0}
+                "predicted_per_second": round(1e3 * predicted_n / predicted_ms, 3) if predicted_ms else 0.0,
+                # llama-server's: prompt tokens reused from the cache, draft tokens verified and accepted
+                "cache_n": stats.cached_tokens, "draft_n": stats.drafted_tokens,
+                "draft_n_accepted": stats.accepted_tokens}
+
+    def prediction_tokens(self) -> dict:
+        """OpenAI's Predicted Outputs counts: the prediction's drafts (edit-align's) the model accepted and those it
+        rejected (zero without a prediction)."""
+        drafted = accepted = 0
+        for drafter in self.stats.drafters:
+            if drafter.name == "edit-align":
+                drafted, accepted = drafted + drafter.gen_tokens, accepted + drafter.acc_tokens
+        return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted}
 
     def speculation(self) -> dict:
         stats = self.stats.to_dict()
@@ -131,8 +144,8 @@ class Generations:
 
     def _start(self, engine, plan: Plan, arrived: float) -> Generation:
         self.warmups = {name: job for name, job in self.warmups.items() if not job.done}
-        request = Request(plan.build, plan.params, plan.spec, lambda engine, ids: self._pick(engine, plan, ids),
-                          plan.warm_only, plan.t_max_predict_ms)
+        request = Request(fitting(plan.build), plan.params, plan.spec,
+                          lambda engine, ids: self._pick(engine, plan, ids), plan.warm_only, plan.t_max_predict_ms)
         run = self.requests.submit(engine, request, lambda *fields: Generation(*fields, plan=plan, arrived=arrived))
         superseded = self.warmups.pop(run.session_id, None)  # (a request refused with 429 supersedes nothing)
         if superseded is not None:

@@ -1,8 +1,13 @@
-"""Prometheus metrics, one registry per app (so several apps in one process, as in tests, do not collide)."""
+"""Prometheus metrics, one registry per app (so several apps in one process, as in tests, do not collide):
+codespec's own (codespec_*), and llama-server's names (llamacpp:*) for those codespec can fill, so dashboards made
+for llama-server read it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -61,6 +66,8 @@ class Metrics:
                                   "(learnt, fading), by drafter", ["drafter"], registry=registry)
         self._drafting = lambda: scheduler.engine.drafting.calls
         self._totals: dict[str, list[int]] = {}
+        self.llama = LlamaTotals()
+        registry.register(LlamaCppCollector(self.llama, scheduler))
 
     def observe_generation(self, route: str, stats, drafters=()) -> None:
         """Count one generation's tokens and each drafter's drafted/accepted tokens."""
@@ -68,6 +75,7 @@ class Metrics:
         self.cached_tokens.inc(stats.cached_tokens)
         self.generated_tokens.labels(route).inc(stats.generated_tokens)
         self.forwards.inc(stats.target_forwards)
+        self.llama.add(stats)
         for drafter in drafters:
             self.drafted.labels(drafter.name).inc(drafter.gen_tokens)
             self.accepted.labels(drafter.name).inc(drafter.acc_tokens)
@@ -77,3 +85,57 @@ class Metrics:
             self.acceptance.labels(drafter.name).set(totals[1] / totals[0] if totals[0] else 0.0)
         for drafter, seconds in list(self._drafting().items()):
             self.call_seconds.labels(drafter).set(seconds)
+
+
+@dataclass
+class LlamaTotals:
+    """What llama-server's counters count, summed over generations (warm-ups included: their prompts count)."""
+
+    prompt_tokens: int = 0  # prompt tokens computed (not reused from a cache)
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    n_tokens_max: int = 0  # the most tokens of context one generation used
+
+    def add(self, stats) -> None:
+        self.prompt_tokens += stats.prompt_tokens - stats.cached_tokens
+        self.prompt_seconds += stats.prefill_seconds
+        self.predicted_tokens += stats.generated_tokens
+        self.predicted_seconds += max(stats.seconds - stats.prefill_seconds, 0.0)
+        self.draft_tokens += stats.drafted_tokens
+        self.accepted_tokens += stats.accepted_tokens
+        self.n_tokens_max = max(self.n_tokens_max, stats.prompt_tokens + stats.generated_tokens)
+
+
+class LlamaCppCollector:
+    """llama-server's metric names (its /metrics), read at each scrape: prompt and predicted tokens and seconds,
+    their average rates, the requests generating and waiting, the forwards run (llama_decode calls), the draft
+    tokens verified and accepted."""
+
+    def __init__(self, totals: LlamaTotals, scheduler):
+        self.totals, self.scheduler = totals, scheduler
+
+    def collect(self):
+        t, scheduler = self.totals, self.scheduler
+        counters = (("prompt_tokens", "Number of prompt tokens processed.", t.prompt_tokens),
+                    ("prompt_seconds", "Prompt process time", t.prompt_seconds),
+                    ("tokens_predicted", "Number of generation tokens processed.", t.predicted_tokens),
+                    ("tokens_predicted_seconds", "Predict process time", t.predicted_seconds),
+                    ("n_decode", "Total number of llama_decode() calls (codespec: batched forwards)",
+                     scheduler.ticks),
+                    ("spec_decode_num_draft_tokens", "Total draft tokens generated", t.draft_tokens),
+                    ("spec_decode_num_accepted_tokens", "Total draft tokens accepted by the target model",
+                     t.accepted_tokens))
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"llamacpp:{name}", doc, value=value)
+        gauges = (("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                   t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
+                  ("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                   t.predicted_tokens / t.predicted_seconds if t.predicted_seconds else 0.0),
+                  ("requests_processing", "Number of requests processing.", scheduler.active),
+                  ("requests_deferred", "Number of requests deferred.", scheduler.queued),
+                  ("n_tokens_max", "Largest observed n_tokens.", t.n_tokens_max))
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"llamacpp:{name}", doc, value=value)

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
 
-PUBLIC_PATHS = {"/health"}  # answered without the API key: liveness probes carry no secrets
+PUBLIC_PATHS = {"/health", "/v1/health"}  # answered without the API key: liveness probes carry no secrets
 
 
 async def send_error(send, status: int, message: str, kind: str, headers=()) -> None:
@@ -79,9 +79,10 @@ class BrowserGuard:
 
 
 class ApiKey:
-    """Every request but /health (and CORS preflights, answered outside) needs `Authorization: Bearer KEY` (401
-    otherwise), compared in constant time with every key. With several keys each request carries its key's
-    namespace in `scope["state"]["tenant"]`: clients with different keys share no session, slot or cache."""
+    """Every request but /health (and CORS preflights, answered outside) needs `Authorization: Bearer KEY` or, as
+    llama-server also takes it, `X-Api-Key: KEY` (401 otherwise), compared in constant time with every key; a
+    request with both is let in by either. With several keys each request carries its key's namespace in
+    `scope["state"]["tenant"]`: clients with different keys share no session, slot or cache."""
 
     def __init__(self, app, keys: list[str]):
         self.app, self.expected = app, [f"Bearer {key}".encode() for key in keys]
@@ -89,10 +90,14 @@ class ApiKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            matches = [secrets.compare_digest(given, expected) for expected in self.expected]  # every key, always
+            headers = dict(scope["headers"])
+            given = [headers.get(b"authorization", b""), b"Bearer " + headers.get(b"x-api-key", b"")]
+            # every key against both headers, always: the time does not tell which part matched
+            matches = [[secrets.compare_digest(sent, expected) for sent in given] for expected in self.expected]
+            matches = [any(pair) for pair in matches]
             if not any(matches):
-                return await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                return await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer KEY' "
+                                                   "or 'X-Api-Key: KEY'",
                                         "authentication_error", [(b"www-authenticate", b"Bearer")])
             scope.setdefault("state", {})["tenant"] = self.tenants[matches.index(True)]
         await self.app(scope, receive, send)

@@ -37,8 +37,31 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
+class TextPart(Lenient):
+    type: Literal["text"] = "text"
+    text: Text
+
+
+MAX_PREDICTION = 1 << 20  # characters of a prediction (a whole file: far more than any context holds)
+
+
+class Prediction(Lenient):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (the file an edit rewrites). It only drafts
+    (the edit-align drafter follows it through insertions and deletions): the answer is what the model writes."""
+
+    type: Literal["content"] = "content"
+    content: Annotated[Text, Field(max_length=MAX_PREDICTION)] | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class Speculation(Lenient):
     """codespec's per-request speculation overrides (the server's own settings otherwise)."""
+
+    prediction: Prediction | None = Field(None, description="OpenAI's Predicted Outputs, on every generation route: "
+                                                            "{'type': 'content', 'content': text the output is "
+                                                            "expected to repeat}; drafts only, never changes the text")
 
     spec: list[Text] | Text | None = Field(None, description="drafter chain, e.g. ['ngram-mod', 'prompt-lookup'] or "
                                                            "'ngram-mod,prompt-lookup'; 'none' turns speculation off")
@@ -99,7 +122,13 @@ class ExtraChunk(Lenient):
     text: Text = ""
 
 
-class InfillRequest(Sampling, Speculation, Output):
+class LlamaOutput(Lenient):
+    """What only llama.cpp's generation routes (/infill, /completion) answer with."""
+
+    return_tokens: bool = Field(False, description="the generated token ids in `tokens` (else [])")
+
+
+class InfillRequest(Sampling, Speculation, Output, LlamaOutput):
     """llama.cpp's /infill (what llama.vim sends), plus codespec's speculation overrides."""
 
     input_prefix: Text = ""
@@ -125,7 +154,7 @@ def one_prompt(value):
     return value
 
 
-class LlamaCompletionRequest(Sampling, Speculation, Output):
+class LlamaCompletionRequest(Sampling, Speculation, Output, LlamaOutput):
     """llama.cpp's /completion: a prompt (text or token ids) continued, answered as /infill answers."""
 
     prompt: Text | TokenIds | list[Text] | list[TokenIds] = Field(..., description="text or token ids")
@@ -143,7 +172,7 @@ class OpenAIOptions(Lenient):
     """The OpenAI parameters codespec takes, and those it cannot honour: sent with a value that would change the
     answer (logprobs, penalties, logit_bias, tools, a JSON response_format, several choices), they get a 400 that
     names them, never a silently different answer. Others that only concern OpenAI's service (`user`, `store`,
-    `metadata`, `service_tier`, `prediction`, ...) are ignored."""
+    `metadata`, `service_tier`, ...) are ignored. `prediction` drafts (Speculation)."""
 
     model: Text | None = Field(None, description="the served model's id (GET /v1/models) or an alias; absent or "
                                                  "empty: the served model")
@@ -190,11 +219,6 @@ class CompletionRequest(Sampling, Speculation, Output, OpenAIOptions):
         if self.suffix is not None and not isinstance(self.prompt, str):
             return "suffix", "a suffix needs a text prompt"
         return super().unsupported()
-
-
-class TextPart(Lenient):
-    type: Literal["text"] = "text"
-    text: Text
 
 
 class ChatMessage(Lenient):
@@ -253,6 +277,9 @@ class Timings(BaseModel):
     predicted_ms: float
     predicted_per_token_ms: float
     predicted_per_second: float
+    cache_n: int  # prompt tokens reused from the cache (tokens_cached)
+    draft_n: int  # draft tokens verified (speculation's drafted_tokens)
+    draft_n_accepted: int  # of those, accepted
 
 
 class SpeculationStats(BaseModel):
@@ -263,6 +290,28 @@ class SpeculationStats(BaseModel):
     acceptance_rate: float
     tokens_per_forward: float
     drafters: list[dict[str, Any]]
+
+
+class LlamaParams(BaseModel):
+    """A generation's settings in llama-server's names (generation_settings, /props, /slots' params): only those
+    codespec samples with, and its drafter chain."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    n_predict: int = Field(description="tokens at most (-1: to the end of the text or the context; 0: a warm-up)")
+    max_tokens: int = Field(description="n_predict, as llama-server repeats it")
+    seed: int = Field(description="-1: unseeded")
+    temperature: float
+    top_k: int
+    top_p: float
+    stop: list[str]
+    stream: bool
+    n_indent: int
+    t_max_predict_ms: int
+    speculative_n_max: int = Field(alias="speculative.n_max")
+    speculative_n_min: int = Field(alias="speculative.n_min")
+    speculative_p_min: float = Field(alias="speculative.p_min")
+    spec: list[str] = Field(description="codespec's drafter chain")
 
 
 class InfillResponse(BaseModel):
@@ -278,6 +327,9 @@ class InfillResponse(BaseModel):
     session: str | None
     timings: Timings
     speculation: SpeculationStats
+    has_new_line: bool  # the generated text holds a newline
+    generation_settings: LlamaParams
+    tokens: list[int]  # the generated token ids with `return_tokens: true`, else []
 
 
 # with response_fields: only the fields asked for, a nested one under its path ('timings/prompt_n')
@@ -288,11 +340,17 @@ class CachedTokens(BaseModel):
     cached_tokens: int
 
 
+class PredictionTokens(BaseModel):
+    accepted_prediction_tokens: int  # output tokens drafted from the prediction and accepted
+    rejected_prediction_tokens: int  # tokens drafted from the prediction that the model did not write there
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: CachedTokens
+    completion_tokens_details: PredictionTokens
 
 
 class CompletionChoice(BaseModel):
@@ -307,6 +365,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str  # codespec's build, as llama-server's build_info
     choices: list[CompletionChoice]
     usage: Usage
     timings: Timings
@@ -329,6 +388,7 @@ class ChatResponse(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
+    system_fingerprint: str  # codespec's build, as llama-server's build_info
     choices: list[ChatChoice]
     usage: Usage
     timings: Timings
@@ -355,13 +415,19 @@ class ModelList(BaseModel):
 
 
 class Slot(BaseModel):
-    id: str
+    id: str = Field(description="the session's name ('slot-N' or a named session; llama-server's is the slot index)")
     busy: bool
     tokens: int
     cached: int
     cache_bytes: int
     spec: list[str]
     drafters: list[dict[str, Any]]
+    # llama-server's
+    n_ctx: int
+    is_processing: bool = Field(description="busy")
+    speculative: bool = Field(description="its drafter chain drafts")
+    params: LlamaParams = Field(description="the server's defaults with the session's drafter chain (codespec keeps "
+                                            "no request's settings with a session)")
 
 
 class Health(BaseModel):
@@ -373,8 +439,72 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = Field(None, description="the request parameter at fault, where there is one")
-    detail: list[dict[str, Any]] | None = Field(None, description="422: each problem's loc, msg and type")
+    detail: list[dict[str, Any]] | None = Field(None, description="an invalid body (422; 400 on llama.cpp's "
+                                                                  "routes): each problem's loc, msg and type")
+    n_prompt_tokens: int | None = Field(None, description="exceed_context_size_error: the prompt's tokens")
+    n_ctx: int | None = Field(None, description="exceed_context_size_error: the context's tokens")
 
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+# -- llama-server's utility routes: /tokenize, /detokenize, /apply-template, /props ---------------------------------
+
+
+class TokenizeRequest(Lenient):
+    content: Text = Field(..., description="the text to tokenize")
+    add_special: bool = Field(False, description="add the tokenizer's special tokens (BOS) as a prompt gets them")
+    parse_special: bool = Field(True, description="false: special tokens' text is plain text")
+    with_pieces: bool = Field(False, description="each token as {id, piece}")
+
+
+class TokenPiece(BaseModel):
+    id: int
+    piece: str | list[int] = Field(description="the token's text, or its bytes where they are not UTF-8 by "
+                                                "themselves")
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[TokenPiece]
+
+
+class DetokenizeRequest(Lenient):
+    tokens: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(..., max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    content: str
+
+
+class ApplyTemplateRequest(Lenient):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
+
+
+class ApplyTemplateResponse(BaseModel):
+    prompt: str
+
+
+class DefaultGenerationSettings(BaseModel):
+    id: int
+    id_task: int
+    n_ctx: int = Field(description="the engine's context length, prompt and output")
+    speculative: bool
+    is_processing: bool
+    params: LlamaParams
+
+
+class Modalities(BaseModel):
+    vision: bool
+    audio: bool
+
+
+class Props(BaseModel):
+    default_generation_settings: DefaultGenerationSettings
+    total_slots: int = Field(description="requests generating at once (--parallel)")
+    model_path: str
+    model_alias: str = Field(description="the name every answer reports (--alias)")
+    chat_template: str
+    modalities: Modalities
+    build_info: str
+    is_sleeping: bool

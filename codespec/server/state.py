@@ -32,6 +32,7 @@ class ServerState:
     costs: Future  # the adaptive cost table, computed on the worker at start-up
     model_name: str  # the id /v1/models lists
     known_models: frozenset[str]  # the names a request's `model` may give: model_name and its aliases
+    model_path: str = ""  # what the model was loaded from (llama-server's /props model_path)
 
     def check_model(self, name: str | None) -> None:
         """OpenAI answers 404 for a model it does not serve; no name or "" (llama.vim's default) is this one."""

@@ -129,3 +129,22 @@ def test_what_it_cannot_do_is_a_typed_4xx(client, model, route, options, error, 
         assert raised.value.body["param"] == param
     if error is openai.NotFoundError:
         assert raised.value.code == "model_not_found" and raised.value.type == "invalid_request_error"
+
+
+def test_predicted_outputs_draft_the_answer_and_the_client_reads_their_counts(client, model):
+    """OpenAI's `prediction` through the official client: the model's own earlier answer as the prediction is
+    drafted whole (the text stays plain decoding's), and the usage counts the accepted prediction tokens."""
+    plain = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=96, temperature=0,
+                                           extra_body={"spec": "none"})
+    answer = plain.choices[0].message.content
+    predicted = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=96,
+                                               temperature=0, prediction={"type": "content", "content": answer})
+    assert predicted.choices[0].message.content == answer
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 0.9 * predicted.usage.completion_tokens
+    assert details.rejected_prediction_tokens <= 2
+    assert predicted.model_extra["speculation"]["tokens_per_forward"] >= 5
+    wrong = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=96, temperature=0,
+                                           prediction={"type": "content", "content": "SELECT * FROM users;\n" * 8})
+    assert wrong.choices[0].message.content == answer
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0

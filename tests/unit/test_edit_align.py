@@ -6,7 +6,9 @@ import pytest
 
 from codespec.config import SamplingParams, SpecConfig
 from codespec.drafters import build_chain
-from codespec.drafters.edit_align import EditAlign
+from codespec.drafters.base import Draft, Drafter
+from codespec.drafters.chain import Chain
+from codespec.drafters.edit_align import CONFIRMED, EditAlign
 from tests.conftest import random_prompt
 from tests.helpers import array
 
@@ -127,3 +129,33 @@ def test_greedy_output_is_identical_with_and_without_the_drafter(engine, chain):
         assert again.tokens == plain
         assert next(d.gen_tokens for d in again.stats.drafters if d.name == "edit-align") == 0
     assert accepted > 100  # the near-copies were really drafted from the reference
+
+
+def test_after_re_finding_its_place_it_is_tentative_until_the_output_has_followed_the_reference_a_while():
+    drafter = started(reference=list(range(100, 200)))
+    assert not drafter.draft(array(PROMPT), 8).tentative  # from the start: trusted
+    history = emit(drafter, PROMPT, [100, 101, 55, 102, 103])  # an insertion: lost, then re-found
+    draft = drafter.draft(array(history), 8)
+    assert draft.tokens[0] == 104 and draft.tentative
+    history = emit(drafter, history, range(104, 104 + CONFIRMED - 1))
+    assert drafter.draft(array(history), 8).tentative
+    history = emit(drafter, history, [104 + CONFIRMED - 1])
+    assert not drafter.draft(array(history), 8).tentative
+
+
+class Fixed(Drafter):
+    def __init__(self, name, draft):
+        self.name, self.proposal = name, draft
+
+    def draft(self, history, max_tokens):
+        return self.proposal
+
+
+def test_a_tentative_draft_is_verified_only_when_no_drafter_after_it_drafts():
+    unsure, sure = Draft([1, 2, 3], tentative=True), Draft([4, 5])
+    chain = Chain([Fixed("unsure", unsure), Fixed("sure", sure)])
+    assert chain.draft(array(PROMPT), 8) is sure and chain.last == "sure"
+    chain = Chain([Fixed("unsure", unsure), Fixed("nothing", None)])
+    assert chain.draft(array(PROMPT), 8) is unsure and chain.last == "unsure"
+    chain.accept(array(PROMPT + [1, 2]), 3, 1)
+    assert chain.stats[0].gen_tokens == 3 and chain.stats[0].acc_tokens == 1

@@ -233,26 +233,27 @@ def test_queue_full_is_429(engine):
 
 
 ERROR_CASES = [
-    # (path, body or raw bytes, status, words in the message)
+    # (path, body or raw bytes, status, words in the message); an invalid body is llama-server's 400 on llama.cpp's
+    # routes, 422 on OpenAI's
     ("/infill", b"{not json", 400, "JSON"),
-    ("/infill", b"[1, 2]", 422, "dictionary"),
-    ("/infill", {"n_predict": "many"}, 422, "n_predict"),
-    ("/infill", {"input_prefix": 5}, 422, "input_prefix"),
-    ("/infill", {"top_p": 1.5}, 422, "top_p"),
-    ("/infill", {"temperature": -1}, 422, "temperature"),
-    ("/infill", {"n_predict": -2}, 422, "n_predict"),
-    ("/infill", {"input_prefix": "x", "speculative.n_max": 1000}, 422, "n_max"),
+    ("/infill", b"[1, 2]", 400, "dictionary"),
+    ("/infill", {"n_predict": "many"}, 400, "n_predict"),
+    ("/infill", {"input_prefix": 5}, 400, "input_prefix"),
+    ("/infill", {"top_p": 1.5}, 400, "top_p"),
+    ("/infill", {"temperature": -1}, 400, "temperature"),
+    ("/infill", {"n_predict": -2}, 400, "n_predict"),
+    ("/infill", {"input_prefix": "x", "speculative.n_max": 1000}, 400, "n_max"),
     ("/infill", {"input_prefix": "x", "spec": "warp-drive"}, 400, "unknown spec"),
     ("/infill", {"input_prefix": "x", "draft_max": 4, "draft_min": 8}, 400, "draft-min"),
-    ("/infill", {"input_prefix": "x", "session": "bad name!"}, 422, "session"),
+    ("/infill", {"input_prefix": "x", "session": "bad name!"}, 400, "session"),
     ("/infill", {"input_prefix": "", "input_suffix": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "context"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -2}, 422, "max_tokens"),  # 0 warms, -1 is no limit
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n_predict": -2}, 422, "n_predict"),
-    ("/completion", {"prompt": [1, 2], "n_predict": -5}, 422, "n_predict"),
+    ("/completion", {"prompt": [1, 2], "n_predict": -5}, 400, "n_predict"),
     ("/completion", {"prompt": [10 ** 9]}, 400, "vocabulary"),
-    ("/completion", {"prompt": []}, 422, "empty"),
+    ("/completion", {"prompt": []}, 400, "empty"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 422, "n"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 422, "one prompt"),
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 20}, 422, "stop"),
@@ -261,8 +262,8 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 422, "role"),
     ("/infill", {"input_prefix": "x" * (70 << 10)}, 413, "over"),
     # a lone UTF-16 surrogate is no text: the tokenizer raised on it (a plain-text 500)
-    ("/infill", b'{"input_prefix": "a\\ud800b"}', 422, "input_prefix"),
-    ("/infill", b'{"input_prefix": "a", "input_extra": [{"text": "\\udc00"}]}', 422, "input_extra.0.text"),
+    ("/infill", b'{"input_prefix": "a\\ud800b"}', 400, "input_prefix"),
+    ("/infill", b'{"input_prefix": "a", "input_extra": [{"text": "\\udc00"}]}', 400, "input_extra.0.text"),
     ("/v1/completions", b'{"prompt": "a\xed\xa0\x80b"}', 422, "prompt"),  # the raw bytes of U+D800
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 422, "content"),
     ("/v1/completions", b'{"prompt": "a", "suffix": "\\ud800"}', 422, "suffix"),

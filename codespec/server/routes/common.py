@@ -7,12 +7,14 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from ...errors import CodespecError, DeviceMemoryFull
+from ...request import Prompt
 from ..errors import Unsupported, error_body
 from ..generation import Generation, Generations, Plan
 
@@ -39,9 +41,21 @@ async def start(generations: Generations, route: str, body, request: Request, bu
     and its prompt, build(engine, params) -> Prompt on the engine's worker."""
     params, spec = generations.settings(body)
     namespace = tenant(request)
-    return await generations.start(Plan(route, lambda engine: build(engine, params), params, spec,
-                                        generations.session_name(body, namespace), body.cache_prompt,
-                                        body.requested_tokens() == 0, body.t_max_predict_ms, namespace))
+    prediction = body.prediction.text() if body.prediction is not None else None
+    if prediction is not None and "none" not in spec.spec and "edit-align" not in spec.spec:
+        # the prediction's drafter first: where the output follows the prediction its drafts run long; where the
+        # output has left it, its guesses are tentative and the n-gram drafters draft first (edit_align.CONFIRMED)
+        spec = replace(spec, spec=("edit-align", *spec.spec))
+
+    def built(engine) -> Prompt:
+        prompt = build(engine, params)
+        if prediction is not None:
+            prompt.reference = engine.tokenizer.encode(prediction, add_special_tokens=False)
+        return prompt
+
+    return await generations.start(Plan(route, built, params, spec, generations.session_name(body, namespace),
+                                        body.cache_prompt, body.requested_tokens() == 0, body.t_max_predict_ms,
+                                        namespace))
 
 
 # -- a whole answer ----------------------------------------------------------------------------------------------

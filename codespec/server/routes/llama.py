@@ -7,8 +7,9 @@ from fastapi import APIRouter, Request
 
 from ...context.fim import SuffixTrimmer, fim_prompt, prompt_budget
 from ...request import LLAMA_CPP, BlockLimit, Prompt
-from ..errors import BODY_ERRORS
+from ..errors import LLAMA_CPP_ERRORS
 from ..generation import Generation
+from ..llamacpp import generated_ids, run_settings
 from ..schemas import InfillRequest, InfillResponse, LlamaCompletionRequest, SelectedFields
 from ..state import Server, ServerState
 from .common import answer, event_stream, finish, prompt_ids, start, stream_events, streamed
@@ -16,7 +17,7 @@ from .common import answer, event_stream, finish, prompt_ids, start, stream_even
 router = APIRouter()
 RESPONSES = {**streamed('{"content": piece, "stop": false} events, then the InfillResponse with empty content; a '
                         'failure: {"error": ...}'),
-             **BODY_ERRORS}
+             **LLAMA_CPP_ERRORS}
 
 
 def infill_body(server: ServerState, run: Generation) -> dict:
@@ -27,14 +28,23 @@ def infill_body(server: ServerState, run: Generation) -> dict:
             "speculation": run.speculation()}
 
 
+def llama_fields(server: ServerState, run: Generation, body) -> dict:
+    """llama-server's fields that clients read beside the text: whether it holds a newline, the settings it ran
+    with, and its token ids (with return_tokens)."""
+    return {"has_new_line": "\n" in run.text, "generation_settings": run_settings(run, body),
+            "tokens": generated_ids(run, server.engine.tokenizer) if body.return_tokens else []}
+
+
 async def llama_answer(server: ServerState, run: Generation, body, request: Request):
     """/infill's and /completion's answer: streamed as {"content": piece} events, or whole; a warm-up is never
     a stream (llama.vim reads its answer as JSON)."""
     if body.stream and not run.plan.warm_only:
         return event_stream(stream_events(server.generations, run, lambda delta: {"content": delta, "stop": False},
-                                          lambda: [{**infill_body(server, run), "content": ""}], done=False))
+                                          lambda: [{**infill_body(server, run), **llama_fields(server, run, body),
+                                                    "content": ""}], done=False))
     return (await finish(server.generations, request, run)
-            or answer(infill_body(server, run), body.response_fields, InfillResponse))
+            or answer({**infill_body(server, run), **llama_fields(server, run, body)}, body.response_fields,
+                      InfillResponse))
 
 
 @router.post("/infill", response_model=InfillResponse | SelectedFields, responses=RESPONSES)

@@ -14,6 +14,7 @@ from ...errors import CodespecError
 from ...request import Prompt
 from ..errors import OPENAI_ERRORS, Unsupported
 from ..generation import Generation
+from ..llamacpp import BUILD_INFO
 from ..schemas import ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, OpenAIOptions
 from ..state import Server, ServerState
 from .common import answer, event_stream, finish, prompt_ids, start, stream_events, streamed
@@ -32,7 +33,8 @@ def check_openai(server: ServerState, body: OpenAIOptions) -> None:
 def usage(run: Generation) -> dict:
     prompt, completion = len(run.prompt.ids), run.stats.generated_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": run.cached}}
+            "prompt_tokens_details": {"cached_tokens": run.cached},
+            "completion_tokens_details": run.prediction_tokens()}
 
 
 @router.post("/v1/completions", response_model=CompletionResponse,
@@ -55,6 +57,7 @@ async def completions(body: CompletionRequest, request: Request, server: Server)
 
     def chunk(text, finish_reason=None, **more):
         return {"id": ident, "object": "text_completion", "created": created, "model": model_name,
+                "system_fingerprint": BUILD_INFO,
                 "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
                 **more}
 
@@ -64,6 +67,7 @@ async def completions(body: CompletionRequest, request: Request, server: Server)
 
     def last():
         usage_only = {"id": ident, "object": "text_completion", "created": created, "model": model_name,
+                      "system_fingerprint": BUILD_INFO,
                       "choices": [], "usage": usage(run)}
         return [complete(""), *([usage_only] if body.include_usage else [])]
 
@@ -97,10 +101,12 @@ async def chat(body: ChatRequest, request: Request, server: Server):
         content = {"role": "assistant", "content": delta} if first[0] else {"content": delta}
         first[0] = False
         return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                "system_fingerprint": BUILD_INFO,
                 "choices": [{"index": 0, "delta": content, "finish_reason": finish_reason}], **more}
 
     def last():
         usage_only = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                      "system_fingerprint": BUILD_INFO,
                       "choices": [], "usage": usage(run)}
         return [chunk("", run.finish_reason, usage=usage(run), timings=run.timings(),
                       speculation=run.speculation()), *([usage_only] if body.include_usage else [])]
@@ -109,6 +115,7 @@ async def chat(body: ChatRequest, request: Request, server: Server):
         return event_stream(stream_events(server.generations, run, chunk, last, done=True))
     return await finish(server.generations, request, run) or answer({
         "id": ident, "object": "chat.completion", "created": created, "model": model_name,
+        "system_fingerprint": BUILD_INFO,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": run.text},
                      "finish_reason": run.finish_reason}],
         "usage": usage(run), "timings": run.timings(), "speculation": run.speculation()}, body.response_fields)
