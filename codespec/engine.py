@@ -197,6 +197,13 @@ class Engine:
                 self.sessions.pop(next(iter(self.sessions)))
                 gc.collect()  # its cache goes back to the forward's free list now
 
+    def fork(self, source_id: str, target_id: str, prompt: list[int], spec: SpecConfig | None = None) -> int:
+        """Session target_id, new, starts with what session source_id has cached of `prompt` (Session.fork); 0 when
+        the source is gone (it ended before) or holds none of it."""
+        source = self.sessions.get(source_id)
+        target = self.session(target_id, spec)
+        return target.fork(source, prompt) if source is not None and source is not target else 0
+
     DONORS = 8  # the most recently used sessions whose caches a prompt may borrow chunks from (--cache-reuse)
 
     def donors(self, session_id: str) -> list[Session]:

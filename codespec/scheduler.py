@@ -53,6 +53,7 @@ class Job:
         self._stream = None  # the engine's generator, created on the worker
         self._reply = None  # the answer to the last request it made (decode.py), sent when it next runs
         self._items: list = []
+        self.produced = 0  # items pushed to its consumer so far (a generation's first: its prompt is cached)
         self._cond = threading.Condition()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
@@ -67,6 +68,7 @@ class Job:
 
     def _push(self, item) -> None:
         with self._cond:
+            self.produced += 1
             self._items.append(item)
             self._cond.notify_all()
             waiters = list(self._async_waiters)

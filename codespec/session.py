@@ -162,6 +162,20 @@ class Session:
         self.crop_cache(min(self.cached, len(prompt) - 1))
         return self.cached - computed
 
+    def fork(self, source: "Session", prompt: list[int]) -> int:
+        """Start this fresh session with the keys and values source holds of the prompt's common prefix, copied as
+        they are (the same positions, the same bits): alternatives of one prompt compute it once. Returns the
+        tokens copied (0 where the caches are not position-addressed tensors)."""
+        count = min(common_prefix(source.history, prompt), source.cached, len(prompt) - 1)
+        if self.length or count <= 0 or not hasattr(source.cache, "keys") or not hasattr(self.cache, "reserve"):
+            return 0
+        self.cache.reserve(count)
+        self.cache.keys[:, :, :count] = source.cache.keys[:, :, :count]
+        self.cache.values[:, :, :count] = source.cache.values[:, :, :count]
+        self.cache.length = count
+        self.append(source.history[:count].tolist())
+        return count
+
     def append(self, tokens: list[int]) -> None:
         needed = self.length + len(tokens)
         if needed > len(self._tokens):

@@ -35,6 +35,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="Predicted Outputs through the HTTP server: each edit plain, with the default chain, and "
                             "with the chain and a prediction: the model's own answer, the original code, another "
                             "function's (writes predicted.json)")
+    bench.add_argument("--alternatives", action="store_true",
+                       help="n_cmpl through the HTTP server: /infill with 1 and 3 alternatives on the completion "
+                            "workloads, greedy and sampled, prompt cached and cold (writes alternatives.json)")
     bench.add_argument("--forward-costs", action="store_true",
                        help="only time one forward over k = 1..64 tokens per forward path, next to the machine's "
                             "floor, with a profile (a full run includes this)")
@@ -138,6 +141,14 @@ def run(args) -> int:
         print(format_rows(rows))
         (out / "two-session.json").write_text(json.dumps({"two_session": rows, "max_tokens": args.max_tokens},
                                                          indent=2))
+        return 0
+    if args.alternatives:
+        from .alternatives import CASES, fim_bodies, format_alternatives, run_alternatives
+
+        with tqdm(total=len(fim_bodies()) * len(CASES) * 2 * repeats, desc="alternatives", unit="run") as progress:
+            rows = run_alternatives(engine, repeats, progress=progress)
+        print(format_alternatives(rows))
+        (out / "alternatives.json").write_text(json.dumps({"alternatives": rows}, indent=2))
         return 0
     if args.predicted:
         from .predicted import CONFIGS, format_predicted, run_predicted, workloads

@@ -51,6 +51,8 @@ class Request:
     session: str | Callable | None = None  # a name; session(engine, prompt ids) -> a name or None; None: temporary
     warm_only: bool = False  # only prefill the session's cache (n_predict 0)
     t_max_predict_ms: int = 0  # llama.cpp's time limit (limits.TimeLimit); 0: none
+    fork_to: tuple[str, ...] = ()  # sessions that start from this one's cached prompt once it has it (n_cmpl)
+    drop_after: bool = False  # a named session that goes when this request ends, as a temporary one (n_cmpl's)
 
 
 @dataclass
@@ -105,8 +107,8 @@ class Requests:
             raise CodespecError("the prompt is empty")
         session = request.session(engine, prompt.ids) if callable(request.session) else request.session
         limits = prompt.limits + ([TimeLimit(request.t_max_predict_ms)] if request.t_max_predict_ms else [])
-        run = (new_run or Run)(request, prompt, session or f"tmp-{uuid.uuid4().hex}", session is None,
-                               OutputFilter(limits))
+        run = (new_run or Run)(request, prompt, session or f"tmp-{uuid.uuid4().hex}",
+                               session is None or request.drop_after, OutputFilter(limits))
         run.job = self.scheduler.submit_steps(lambda engine: self._steps(engine, run), session_id=run.session_id)
         return run
 
@@ -123,6 +125,9 @@ class Requests:
                                         prefill_chunk=self.prefill_chunk, healed=prompt.healed)
             with closing(steps):  # a job stopped between two chunks ends the engine's generation there, at once
                 while (chunk := (yield from next_output(steps))) is not None:
+                    for other in request.fork_to:  # the prompt is cached now: the alternatives start from it
+                        engine.fork(run.session_id, other, prompt.ids, request.spec)
+                    request = replace(request, fork_to=())
                     if chunk.result is not None and chunk.result.finish_reason == "stop":
                         said = engine.tokenizer.decode(chunk.result.tokens, skip_special_tokens=True)
                         run.stop_word = next((s for s in request.params.stop if s and s in said), "")

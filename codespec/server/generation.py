@@ -14,7 +14,9 @@ another key's prompt.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -22,6 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..config import SamplingParams, ServerConfig, SpecConfig
+from ..engine import KEEP
 from ..request import Request, Requests, Run
 from .llamacpp import fitting
 
@@ -41,6 +44,8 @@ class Plan:
     warm_only: bool = False  # n_predict 0
     t_max_predict_ms: int = 0
     tenant: str = ""  # the API key's session namespace ('' with none or one key)
+    fork_to: tuple[str, ...] = ()  # the first alternative's: the other alternatives' sessions (n_cmpl)
+    drop_after: bool = False  # an alternative's own session goes when it ends
 
 
 @dataclass
@@ -142,10 +147,37 @@ class Generations:
         slot). Raises CodespecError (400) for a bad prompt and QueueFull (429)."""
         return await self.scheduler.acall(self._start, plan, time.perf_counter())
 
+    async def start_all(self, plan: Plan, count: int) -> list[Generation]:
+        """`count` alternatives of one request (llama.cpp's n_cmpl, OpenAI's n). The first runs as a request alone
+        would; once it has cached the prompt (its first output), the others start from a copy of that cache
+        (Session.fork: computed once), each in a temporary session, sampling with seeds one apart (greedy ones are
+        duplicates). They decode together, one batched forward a tick, and draft from one pool."""
+        if count == 1 or plan.warm_only:
+            return [await self.start(plan)]
+        sessions = [f"{plan.tenant}tmp-{uuid.uuid4().hex}" for _ in range(count - 1)]
+        first = await self.start(replace(plan, fork_to=tuple(sessions)))
+        runs = [first]
+        try:
+            while first.job.produced == 0 and not first.job.done:  # (its first output: the prompt is cached)
+                await asyncio.sleep(0.002)
+            seed = plan.params.seed
+            for index, session in enumerate(sessions, 1):
+                params = plan.params if seed is None else replace(plan.params, seed=seed + index)
+                runs.append(await self.start(replace(plan, params=params, session=session, cache_prompt=True,
+                                                     drop_after=True)))
+        except BaseException:  # (a full queue, a cancelled request): none of them runs on for nobody
+            for run in runs:
+                run.job.cancel()
+            await self.scheduler.acall(lambda engine: [engine.drop(s, pool=KEEP) for s in sessions
+                                                       if s not in self.scheduler.busy_sessions()])
+            raise
+        return runs
+
     def _start(self, engine, plan: Plan, arrived: float) -> Generation:
         self.warmups = {name: job for name, job in self.warmups.items() if not job.done}
         request = Request(fitting(plan.build), plan.params, plan.spec,
-                          lambda engine, ids: self._pick(engine, plan, ids), plan.warm_only, plan.t_max_predict_ms)
+                          lambda engine, ids: self._pick(engine, plan, ids), plan.warm_only, plan.t_max_predict_ms,
+                          plan.fork_to, plan.drop_after)
         run = self.requests.submit(engine, request, lambda *fields: Generation(*fields, plan=plan, arrived=arrived))
         superseded = self.warmups.pop(run.session_id, None)  # (a request refused with 429 supersedes nothing)
         if superseded is not None:

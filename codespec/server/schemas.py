@@ -14,6 +14,7 @@ from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field,
 from ..config import DRAFT_MAX_LIMIT, MIN_TOP_P
 
 MAX_STOP = 16  # stop strings per request (llama.cpp and OpenAI take a handful)
+MAX_ALTERNATIVES = 8  # n_cmpl / n: completions of one prompt per request
 SessionName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
 
 
@@ -126,6 +127,9 @@ class LlamaOutput(Lenient):
     """What only llama.cpp's generation routes (/infill, /completion) answer with."""
 
     return_tokens: bool = Field(False, description="the generated token ids in `tokens` (else [])")
+    n_cmpl: int = Field(1, ge=1, le=MAX_ALTERNATIVES, description="alternatives of the completion (llama.vscode "
+                        "asks 3): the prompt computed once, they decode together; a list of answers, each with its "
+                        "`index`, when above 1")
 
 
 class InfillRequest(Sampling, Speculation, Output, LlamaOutput):
@@ -206,7 +210,8 @@ class CompletionRequest(Sampling, Speculation, Output, OpenAIOptions):
     best_of: int | None = Field(None, ge=1, le=1, description="one choice per request")
     echo: bool | None = Field(None, description="only false (not supported)")
     logprobs: int | None = Field(None, ge=0, le=5, description="not supported")
-    n: int | None = Field(1, ge=1, le=1, description="one choice per request")
+    n: int | None = Field(1, ge=1, le=MAX_ALTERNATIVES, description="choices: alternatives of one prompt, computed "
+                                                                     "once, decoded together")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
 
     check_prompt = field_validator("prompt")(one_prompt)
@@ -245,7 +250,8 @@ class ChatRequest(Sampling, Speculation, Output, OpenAIOptions):
     function_call: Text | dict[str, Any] | None = Field(None, description='only "none" or "auto"')
     audio: dict[str, Any] | None = Field(None, description="not supported")
     modalities: list[Text] | None = Field(None, description='only ["text"]')
-    n: int | None = Field(1, ge=1, le=1, description="one choice per request")
+    n: int | None = Field(1, ge=1, le=MAX_ALTERNATIVES, description="choices: alternatives of one prompt, computed "
+                                                                     "once, decoded together")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -314,7 +320,12 @@ class LlamaParams(BaseModel):
     spec: list[str] = Field(description="codespec's drafter chain")
 
 
+class GenerationSettings(LlamaParams):
+    n_ctx: int = Field(description="the context, prompt and output (llama.vscode's status bar reads it here)")
+
+
 class InfillResponse(BaseModel):
+    index: int = 0  # which alternative (n_cmpl)
     content: str
     stop: bool
     stop_type: Literal["eos", "limit", "word", "none"]
@@ -328,7 +339,7 @@ class InfillResponse(BaseModel):
     timings: Timings
     speculation: SpeculationStats
     has_new_line: bool  # the generated text holds a newline
-    generation_settings: LlamaParams
+    generation_settings: GenerationSettings
     tokens: list[int]  # the generated token ids with `return_tokens: true`, else []
 
 

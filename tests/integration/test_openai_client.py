@@ -91,7 +91,7 @@ def test_the_clients_optional_parameters_are_accepted(client, model):
 @pytest.mark.parametrize("route, options, error, param", [
     ("chat", {"model": "gpt-4o"}, openai.NotFoundError, "model"),
     ("completions", {"model": "gpt-3.5-turbo-instruct"}, openai.NotFoundError, "model"),
-    ("chat", {"n": 2}, openai.UnprocessableEntityError, None),
+    ("chat", {"n": 9}, openai.UnprocessableEntityError, None),
     ("chat", {"logprobs": True, "top_logprobs": 2}, openai.BadRequestError, "logprobs"),
     ("chat", {"presence_penalty": 0.5}, openai.BadRequestError, "presence_penalty"),
     ("chat", {"frequency_penalty": 1.0}, openai.BadRequestError, "frequency_penalty"),
@@ -148,3 +148,22 @@ def test_predicted_outputs_draft_the_answer_and_the_client_reads_their_counts(cl
                                            prediction={"type": "content", "content": "SELECT * FROM users;\n" * 8})
     assert wrong.choices[0].message.content == answer
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
+def test_n_choices_come_from_one_prompt_and_stream_with_their_index(client, model):
+    one = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=24, temperature=0)
+    two = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=24, temperature=0, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert all(c.message.content == one.choices[0].message.content for c in two.choices)  # greedy: duplicates
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+    sampled = dict(model=model, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3, n=3,
+                   extra_body={"spec": "none"})  # (drafts' lengths would follow what the pool learned before)
+    chunks = list(client.completions.create(**sampled, stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    whole = client.completions.create(**sampled)
+    assert texts == [c.text for c in whole.choices] and len(set(texts)) > 1  # seeds one apart
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens

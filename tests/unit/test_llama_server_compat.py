@@ -74,7 +74,7 @@ def test_props_reports_the_engine_and_the_servers_defaults(engine, server):
     assert props["chat_template"] == engine.tokenizer.chat_template and props["chat_template"]
     # a request that sets nothing runs with exactly these settings (its n_predict: the server's cap)
     answer = server.post("/completion", json={"prompt": "import os\n"}).json()
-    assert answer["generation_settings"] == params and answer["tokens_predicted"] == 40
+    assert answer["generation_settings"] == {**params, "n_ctx": 512} and answer["tokens_predicted"] == 40
 
 
 # -- /tokenize, /detokenize, /apply-template ---------------------------------------------------------------------------

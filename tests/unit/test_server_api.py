@@ -254,7 +254,7 @@ ERROR_CASES = [
     ("/completion", {"prompt": [1, 2], "n_predict": -5}, 400, "n_predict"),
     ("/completion", {"prompt": [10 ** 9]}, 400, "vocabulary"),
     ("/completion", {"prompt": []}, 400, "empty"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 422, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 9}, 422, "n"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 422, "one prompt"),
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 20}, 422, "stop"),
     ("/v1/completions", {}, 422, "prompt"),

@@ -39,6 +39,16 @@ def tenant(request: Request) -> str:
 async def start(generations: Generations, route: str, body, request: Request, build) -> Generation:
     """The route's generation: the server's settings with the body's, its session (in the API key's namespace),
     and its prompt, build(engine, params) -> Prompt on the engine's worker."""
+    return await generations.start(plan(generations, route, body, request, build))
+
+
+async def start_all(generations: Generations, route: str, body, request: Request, build, count: int
+                    ) -> list[Generation]:
+    """`count` alternatives of the route's generation (Generations.start_all)."""
+    return await generations.start_all(plan(generations, route, body, request, build), count)
+
+
+def plan(generations: Generations, route: str, body, request: Request, build) -> Plan:
     params, spec = generations.settings(body)
     namespace = tenant(request)
     prediction = body.prediction.text() if body.prediction is not None else None
@@ -53,9 +63,8 @@ async def start(generations: Generations, route: str, body, request: Request, bu
             prompt.reference = engine.tokenizer.encode(prediction, add_special_tokens=False)
         return prompt
 
-    return await generations.start(Plan(route, built, params, spec, generations.session_name(body, namespace),
-                                        body.cache_prompt, body.requested_tokens() == 0, body.t_max_predict_ms,
-                                        namespace))
+    return Plan(route, built, params, spec, generations.session_name(body, namespace), body.cache_prompt,
+                body.requested_tokens() == 0, body.t_max_predict_ms, namespace)
 
 
 # -- a whole answer ----------------------------------------------------------------------------------------------
@@ -63,7 +72,12 @@ async def start(generations: Generations, route: str, body, request: Request, bu
 
 async def finish(generations: Generations, request: Request, run: Generation) -> Response | None:
     """Collect a run while watching the client; None when it completed, a 499 when the client left."""
-    collecting = asyncio.ensure_future(generations.collect(run))
+    return await finish_all(generations, request, [run])
+
+
+async def finish_all(generations: Generations, request: Request, runs: list[Generation]) -> Response | None:
+    """Collect runs together (alternatives of one request) while watching the client, as `finish`."""
+    collecting = asyncio.ensure_future(asyncio.gather(*(generations.collect(run) for run in runs)))
     watching = asyncio.ensure_future(disconnected(request))
     done, _ = await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
     if collecting in done:
@@ -144,6 +158,32 @@ async def stream_events(generations: Generations, run: Generation, piece: Callab
                                "details", "server_error")
     if done:
         yield sse("[DONE]")
+
+
+async def merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The events of several streams (alternatives of one request) as they come; when the client goes, every
+    stream is closed (and so every job cancelled)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream):
+        try:
+            async for event in stream:
+                await queue.put(event)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            event = await queue.get()
+            if event is None:
+                remaining -= 1
+            else:
+                yield event
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 # -- prompts -------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ llama-server's fields (content, stop_type, tokens_cached, timings, ...) and code
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from ...context.fim import SuffixTrimmer, fim_prompt, prompt_budget
 from ...request import LLAMA_CPP, BlockLimit, Prompt
@@ -12,7 +13,8 @@ from ..generation import Generation
 from ..llamacpp import generated_ids, run_settings
 from ..schemas import InfillRequest, InfillResponse, LlamaCompletionRequest, SelectedFields
 from ..state import Server, ServerState
-from .common import answer, event_stream, finish, prompt_ids, start, stream_events, streamed
+from .common import (answer, event_stream, finish_all, merged, prompt_ids, select_fields, start_all,
+                     stream_events, streamed)
 
 router = APIRouter()
 RESPONSES = {**streamed('{"content": piece, "stop": false} events, then the InfillResponse with empty content; a '
@@ -31,23 +33,36 @@ def infill_body(server: ServerState, run: Generation) -> dict:
 def llama_fields(server: ServerState, run: Generation, body) -> dict:
     """llama-server's fields that clients read beside the text: whether it holds a newline, the settings it ran
     with, and its token ids (with return_tokens)."""
-    return {"has_new_line": "\n" in run.text, "generation_settings": run_settings(run, body),
+    return {"has_new_line": "\n" in run.text,
+            "generation_settings": {**run_settings(run, body), "n_ctx": server.engine.context_length},  # (llama.vscode's
+            # status bar reads generation_settings.n_ctx)
             "tokens": generated_ids(run, server.engine.tokenizer) if body.return_tokens else []}
 
 
-async def llama_answer(server: ServerState, run: Generation, body, request: Request):
+async def llama_answer(server: ServerState, runs: list[Generation], body, request: Request):
     """/infill's and /completion's answer: streamed as {"content": piece} events, or whole; a warm-up is never
-    a stream (llama.vim reads its answer as JSON)."""
-    if body.stream and not run.plan.warm_only:
-        return event_stream(stream_events(server.generations, run, lambda delta: {"content": delta, "stop": False},
-                                          lambda: [{**infill_body(server, run), **llama_fields(server, run, body),
-                                                    "content": ""}], done=False))
-    return (await finish(server.generations, request, run)
-            or answer({**infill_body(server, run), **llama_fields(server, run, body)}, body.response_fields,
-                      InfillResponse))
+    a stream (llama.vim reads its answer as JSON). With n_cmpl alternatives, as llama-server: a whole answer is a
+    list of them, each with its `index`, and each streamed event has its alternative's `index`."""
+    def whole(run: Generation) -> dict:
+        return {**infill_body(server, run), **llama_fields(server, run, body), "index": runs.index(run)}
+
+    if body.stream and not runs[0].plan.warm_only:
+        def events(run: Generation):
+            index = runs.index(run)
+            return stream_events(server.generations, run,
+                                 lambda delta: {"content": delta, "stop": False, "index": index},
+                                 lambda: [{**whole(run), "content": ""}], done=False)
+        return event_stream(events(runs[0]) if len(runs) == 1 else merged([events(run) for run in runs]))
+    stopped = await finish_all(server.generations, request, runs)
+    if stopped is not None:
+        return stopped
+    if len(runs) == 1:
+        return answer(whole(runs[0]), body.response_fields, InfillResponse)
+    return JSONResponse([select_fields(whole(run), body.response_fields) for run in runs])
 
 
-@router.post("/infill", response_model=InfillResponse | SelectedFields, responses=RESPONSES)
+@router.post("/infill", response_model=InfillResponse | list[InfillResponse] | SelectedFields,
+             responses=RESPONSES)
 async def infill(body: InfillRequest, request: Request, server: Server):
     """llama.cpp's fill-in-the-middle endpoint (llama.vim's). `n_predict: 0` only warms the session's cache."""
     extra = [(chunk.filename, chunk.text) for chunk in body.input_extra]
@@ -66,11 +81,12 @@ async def infill(body: InfillRequest, request: Request, server: Server):
             limits.append(BlockLimit(body.n_indent, LLAMA_CPP))
         return Prompt(fim.ids, fim.truncated, fim.stop_ids, limits, fim.healed)
 
-    run = await start(server.generations, "/infill", body, request, build)
-    return await llama_answer(server, run, body, request)
+    runs = await start_all(server.generations, "/infill", body, request, build, body.n_cmpl)
+    return await llama_answer(server, runs, body, request)
 
 
-@router.post("/completion", response_model=InfillResponse | SelectedFields, responses=RESPONSES)
+@router.post("/completion", response_model=InfillResponse | list[InfillResponse] | SelectedFields,
+             responses=RESPONSES)
 async def completion(body: LlamaCompletionRequest, request: Request, server: Server):
     """llama.cpp's own completion endpoint: the prompt (text or token ids) continued, answered as /infill is.
     `n_predict: 0` only warms the session's cache."""
@@ -78,5 +94,5 @@ async def completion(body: LlamaCompletionRequest, request: Request, server: Ser
         limits = [BlockLimit(body.n_indent, LLAMA_CPP)] if body.n_indent else []
         return Prompt(prompt_ids(engine, body.prompt), limits=limits)
 
-    run = await start(server.generations, "/completion", body, request, build)
-    return await llama_answer(server, run, body, request)
+    runs = await start_all(server.generations, "/completion", body, request, build, body.n_cmpl)
+    return await llama_answer(server, runs, body, request)

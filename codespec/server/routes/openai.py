@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 
@@ -17,7 +18,7 @@ from ..generation import Generation
 from ..llamacpp import BUILD_INFO
 from ..schemas import ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, OpenAIOptions
 from ..state import Server, ServerState
-from .common import answer, event_stream, finish, prompt_ids, start, stream_events, streamed
+from .common import answer, event_stream, finish_all, merged, prompt_ids, sse, start_all, stream_events, streamed
 
 router = APIRouter()
 
@@ -30,11 +31,45 @@ def check_openai(server: ServerState, body: OpenAIOptions) -> None:
         raise Unsupported(*problem)
 
 
-def usage(run: Generation) -> dict:
-    prompt, completion = len(run.prompt.ids), run.stats.generated_tokens
+def usage(runs: list[Generation]) -> dict:
+    """OpenAI's usage of a request's alternatives (n): the prompt once, every alternative's tokens."""
+    prompt, completion = len(runs[0].prompt.ids), sum(run.stats.generated_tokens for run in runs)
+    predicted = [run.prediction_tokens() for run in runs]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": run.cached},
-            "completion_tokens_details": run.prediction_tokens()}
+            "prompt_tokens_details": {"cached_tokens": runs[0].cached},
+            "completion_tokens_details": {key: sum(p[key] for p in predicted) for key in predicted[0]}}
+
+
+async def respond(server: ServerState, request: Request, body, runs: list[Generation], head: dict, kind: str,
+                  choice: Callable, delta: Callable):
+    """The answer to an OpenAI request with len(runs) alternatives: whole, {**head, "object": kind, choices: each
+    run's choice(index, run), usage, ...}; or streamed, each run's pieces as delta(index, text, finish_reason)
+    chunks of object `kind`.chunk, each alternative's last one with its finish reason, then the usage (with
+    stream_options.include_usage) and [DONE]. The first run's timings and speculation come along, as codespec's."""
+    def extras(run: Generation) -> dict:
+        return {"timings": run.timings(), "speculation": run.speculation()}
+
+    if body.stream:  # a warm-up too: an OpenAI client reads a stream (its last chunk, then [DONE])
+        def chunk(choice_delta: dict, **more) -> dict:
+            return {**head, "object": f"{kind}.chunk", "choices": [choice_delta], **more}
+
+        def events(index: int, run: Generation):
+            def last() -> list[dict]:  # (alone, the last chunk has the usage too)
+                alone = {"usage": usage(runs)} if len(runs) == 1 else {}
+                return [chunk(delta(index, "", run.finish_reason), **alone, **extras(run))]
+            return stream_events(server.generations, run, lambda text: chunk(delta(index, text, None)), last,
+                                 done=False)
+
+        async def stream():
+            async for event in merged([events(index, run) for index, run in enumerate(runs)]):
+                yield event
+            if body.include_usage:
+                yield sse({**head, "object": f"{kind}.chunk", "choices": [], "usage": usage(runs)})
+            yield sse("[DONE]")
+        return event_stream(stream())
+    return await finish_all(server.generations, request, runs) or answer(
+        {**head, "object": kind, "choices": [choice(index, run) for index, run in enumerate(runs)],
+         "usage": usage(runs), **extras(runs[0])}, body.response_fields)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse,
@@ -52,28 +87,16 @@ async def completions(body: CompletionRequest, request: Request, server: Server)
         limits = [SuffixTrimmer(body.suffix)] if fim.format is None and body.suffix.strip() else []
         return Prompt(fim.ids, False, fim.stop_ids, limits)
 
-    run = await start(server.generations, "/v1/completions", body, request, build)
-    ident, created, model_name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name
+    runs = await start_all(server.generations, "/v1/completions", body, request, build, body.n or 1)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name,
+            "system_fingerprint": BUILD_INFO}
 
-    def chunk(text, finish_reason=None, **more):
-        return {"id": ident, "object": "text_completion", "created": created, "model": model_name,
-                "system_fingerprint": BUILD_INFO,
-                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
-                **more}
+    def choice(index: int, run: Generation, text: str | None = None, finish_reason=None) -> dict:
+        return {"text": run.text if text is None else text, "index": index, "logprobs": None,
+                "finish_reason": run.finish_reason if text is None else finish_reason}
 
-    def complete(text):
-        return chunk(text, run.finish_reason, usage=usage(run), timings=run.timings(),
-                     speculation=run.speculation())
-
-    def last():
-        usage_only = {"id": ident, "object": "text_completion", "created": created, "model": model_name,
-                      "system_fingerprint": BUILD_INFO,
-                      "choices": [], "usage": usage(run)}
-        return [complete(""), *([usage_only] if body.include_usage else [])]
-
-    if body.stream:  # a warm-up too: an OpenAI client reads a stream (its last chunk, then [DONE])
-        return event_stream(stream_events(server.generations, run, chunk, last, done=True))
-    return await finish(server.generations, request, run) or answer(complete(run.text), body.response_fields)
+    return await respond(server, request, body, runs, head, "text_completion", choice,
+                         lambda index, text, finish_reason: choice(index, runs[index], text, finish_reason))
 
 
 @router.post("/v1/chat/completions", response_model=ChatResponse,
@@ -93,29 +116,16 @@ async def chat(body: ChatRequest, request: Request, server: Server):
                                                    return_dict=False)
         return Prompt(list(ids["input_ids"] if isinstance(ids, dict) else ids))
 
-    run = await start(server.generations, "/v1/chat/completions", body, request, build)
-    ident, created, model_name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name
-    first = [True]
+    runs = await start_all(server.generations, "/v1/chat/completions", body, request, build, body.n or 1)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name,
+            "system_fingerprint": BUILD_INFO}
+    started: set[int] = set()  # alternatives whose first delta went (it carries the role)
 
-    def chunk(delta, finish_reason=None, **more):
-        content = {"role": "assistant", "content": delta} if first[0] else {"content": delta}
-        first[0] = False
-        return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                "system_fingerprint": BUILD_INFO,
-                "choices": [{"index": 0, "delta": content, "finish_reason": finish_reason}], **more}
+    def delta(index: int, text: str, finish_reason) -> dict:
+        content = {"content": text} if index in started else {"role": "assistant", "content": text}
+        started.add(index)
+        return {"index": index, "delta": content, "finish_reason": finish_reason}
 
-    def last():
-        usage_only = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                      "system_fingerprint": BUILD_INFO,
-                      "choices": [], "usage": usage(run)}
-        return [chunk("", run.finish_reason, usage=usage(run), timings=run.timings(),
-                      speculation=run.speculation()), *([usage_only] if body.include_usage else [])]
-
-    if body.stream:  # a warm-up too: an OpenAI client reads a stream (its last chunk, then [DONE])
-        return event_stream(stream_events(server.generations, run, chunk, last, done=True))
-    return await finish(server.generations, request, run) or answer({
-        "id": ident, "object": "chat.completion", "created": created, "model": model_name,
-        "system_fingerprint": BUILD_INFO,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": run.text},
-                     "finish_reason": run.finish_reason}],
-        "usage": usage(run), "timings": run.timings(), "speculation": run.speculation()}, body.response_fields)
+    return await respond(server, request, body, runs, head, "chat.completion",
+                         lambda index, run: {"index": index, "message": {"role": "assistant", "content": run.text},
+                                             "finish_reason": run.finish_reason}, delta)

@@ -1,0 +1,64 @@
+"""Alternatives of one request (llama.cpp's n_cmpl) on the tiny model: the prompt computed once and copied, each
+alternative what a request alone with its seed writes, streamed with its index."""
+
+import json
+
+import httpx
+import pytest
+
+from codespec.config import ServerConfig
+from codespec.server import create_app
+from tests.serving import live_server, sse_events
+
+PROMPT = "def total(values):\n    result = 0\n    for value in values:\n"
+
+
+@pytest.fixture
+def server(engine):
+    app = create_app(engine, ServerConfig(slots=2))
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+
+
+def post(server, **body):
+    answer = server.post("/completion", json={"prompt": PROMPT, "n_predict": 24, "cache_prompt": False, **body})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_greedy_alternatives_are_the_one_answer_from_one_prompt_computation(server):
+    alone = post(server, temperature=0)
+    alternatives = post(server, temperature=0, n_cmpl=3)
+    assert isinstance(alternatives, list) and [a["index"] for a in alternatives] == [0, 1, 2]
+    assert all(a["content"] == alone["content"] for a in alternatives)
+    prompt_tokens = alone["tokens_evaluated"]
+    assert alternatives[0]["timings"]["prompt_n"] == prompt_tokens  # the first computes the prompt
+    for other in alternatives[1:]:  # the others copy its cache: only the prompt's last token is fed again
+        assert other["tokens_cached"] == prompt_tokens - 1 and other["timings"]["prompt_n"] == 1
+
+
+def test_sampled_alternatives_use_seeds_one_apart(server):
+    """(Without drafts: a seeded sample consumes the random stream by the drafts' lengths, which follow what the
+    shared pool learned from the requests before.)"""
+    alternatives = post(server, temperature=1.0, seed=5, n_cmpl=3, spec="none")
+    for index in range(3):
+        assert alternatives[index]["content"] == post(server, temperature=1.0, seed=5 + index, spec="none")["content"]
+    assert len({a["content"] for a in alternatives}) > 1
+
+
+def test_streamed_alternatives_tag_each_event_with_its_index(server):
+    whole = post(server, temperature=1.0, seed=11, n_cmpl=2, spec="none")
+    body = {"prompt": PROMPT, "n_predict": 24, "cache_prompt": False, "temperature": 1.0, "seed": 11, "n_cmpl": 2,
+            "stream": True, "spec": "none"}
+    with server.stream("POST", "/completion", json=body) as response:
+        events = sse_events(response)
+    pieces = {0: "", 1: ""}
+    for event in events:
+        pieces[event["index"]] += event["content"]
+    assert pieces == {0: whole[0]["content"], 1: whole[1]["content"]}
+    assert sum(1 for event in events if event["stop"]) == 2
+
+
+def test_too_many_alternatives_is_a_400(server):
+    answer = server.post("/infill", json={"input_prefix": "x = ", "n_predict": 4, "n_cmpl": 9})
+    assert answer.status_code == 400 and "n_cmpl" in json.dumps(answer.json())
