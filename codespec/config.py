@@ -50,6 +50,9 @@ def codespec_home() -> Path:
     return Path(os.environ.get("CODESPEC_HOME") or Path.home() / ".cache" / "codespec")
 
 
+MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's top_logprobs limit)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256  # new tokens at most
@@ -58,6 +61,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = off
     seed: int | None = None  # fixes the sampling stream for reproducible output
     stop: tuple[str, ...] = ()  # generation ends when the text contains any of these
+    logprobs: int = -1  # >= 0: each new token's log-probability and this many most likely alternatives; -1: none
 
     def __post_init__(self):
         self.validate()  # a setting out of range never exists: construction (and dataclasses.replace) checks it
@@ -74,6 +78,8 @@ class SamplingParams:
             raise InvalidSetting(f"top-k must be >= 0, got {self.top_k}")
         if not MIN_TOP_P <= self.top_p <= 1.0:
             raise InvalidSetting(f"top-p must be in {MIN_TOP_P}..1, got {self.top_p}")
+        if not -1 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidSetting(f"logprobs must be in 0..{MAX_LOGPROBS} (or -1: none), got {self.logprobs}")
 
 
 @dataclass

@@ -32,6 +32,29 @@ class Step:
     accepted: int  # of those, tokens the target agreed with
     forward_seconds: float  # the target forward (shared with the other sessions of its batch)
     finished: str | None = None  # "eos" or "length" when generation must stop here
+    logprobs: list | None = None  # with SamplingParams.logprobs >= 0: each token's TokenLogprob
+
+
+@dataclass
+class TokenLogprob:
+    """A new token's log-probability under the model (the log-softmax of its logits, temperature 1), and the `top`
+    most likely tokens at its position with theirs: read from the verify forward's row for that position, which on
+    the batch-invariant path holds the bits a plain one-token forward gives it."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each of `tokens` (row i of logits [>= len(tokens), vocab] is the distribution it was chosen from)."""
+    import torch
+
+    rows = torch.log_softmax(logits[: len(tokens)].double(), dim=-1)
+    best = torch.topk(rows, top, dim=-1) if top > 0 else None
+    return [TokenLogprob(token, float(rows[i, token]),
+                         list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else [])
+            for i, token in enumerate(tokens)]
 
 
 @dataclass
@@ -185,7 +208,9 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
         right = bool(proposal) and not drafted and proposal[0] == next_token
         price(adaptive, session.chain.called, drafter, len(pending), len(drafted), accepted + right,
               busy + time.perf_counter() - started)
-    return Step(new_tokens, len(drafted), accepted, rows.seconds, finished)
+    logprobs = (token_logprobs(logits, new_tokens, sampler.params.logprobs) if sampler.params.logprobs >= 0
+                else None)
+    return Step(new_tokens, len(drafted), accepted, rows.seconds, finished, logprobs)
 
 
 def price(adaptive: Adaptive, called: list[tuple[str, float]], drafter: str | None, pending: int, verified: int,

@@ -48,6 +48,7 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str  # "eos", "stop" (a stop string) or "length"
     stats: GenerationStats
+    logprobs: list | None = None  # with SamplingParams.logprobs >= 0: each of `tokens`' decode.TokenLogprob
 
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
@@ -62,6 +63,7 @@ class Chunk:
     tokens: list[int]
     result: GenerationResult | None = None  # set on the last chunk
     stats: GenerationStats | None = None  # the generation's statistics so far (live: progress, a cut-short job)
+    logprobs: list | None = None  # with SamplingParams.logprobs >= 0: each of `tokens`' decode.TokenLogprob
 
 
 def namespace(session_id: str) -> str:
@@ -352,7 +354,12 @@ class Engine:
                              self.context_length, self.eos_token_ids | stop_ids, stats,
                              session.adaptive if adaptive else None, prefill_chunk, constraint)
         finish_reason = "length"
+        logprobs = [] if params.logprobs >= 0 else None
+        unsent = []  # the logprobs of steps since the last chunk (a step whose text is held back sends none)
         while (step := (yield from next_output(steps))) is not None:
+            if logprobs is not None:
+                logprobs += step.logprobs
+                unsent += step.logprobs
             delta, stop_at = text.add(step.tokens)
             if stop_at is not None:
                 # a stop string ended the text: the tokens after the one that completed it are dropped
@@ -365,10 +372,12 @@ class Engine:
                 delta += text.flush()
                 break
             if delta:
-                yield Chunk(delta, step.tokens, stats=stats)
+                yield Chunk(delta, step.tokens, stats=stats, logprobs=unsent if logprobs is not None else None)
+                unsent = []
         stats.drafters = [now.since(then) for now, then in zip(session.chain.stats, before)]
-        result = GenerationResult(text.text, text.tokens, finish_reason, stats)
-        yield Chunk(delta, step.tokens, result, stats)
+        result = GenerationResult(text.text, text.tokens, finish_reason, stats,
+                                  logprobs[: len(text.tokens)] if logprobs is not None else None)
+        yield Chunk(delta, step.tokens, result, stats, unsent if logprobs is not None else None)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **options) -> GenerationResult:
         for chunk in self.stream(prompt, params, **options):

@@ -71,6 +71,15 @@ class Run:
     limited: bool = False  # an output limit ended the text
     cancelled: bool = False  # its consumer went away (or a limit stopped it) before the job ended
     first_item_at: float | None = None  # when its first output arrived
+    logprobs: list = field(default_factory=list)  # with SamplingParams.logprobs: every generated token's, so far
+
+    @property
+    def token_logprobs(self) -> list:
+        """The answer's tokens' log-probabilities (decode.TokenLogprob): the engine's for its result's tokens, or,
+        when a limit cut the text first, every token generated until then."""
+        if self.result is not None and self.result.logprobs is not None:
+            return self.result.logprobs
+        return self.logprobs
 
     @property
     def text(self) -> str:
@@ -160,6 +169,7 @@ class Requests:
                 run.first_item_at = run.first_item_at or time.perf_counter()
                 run.stats = item.stats or run.stats
                 run.result = item.result or run.result
+                run.logprobs += item.logprobs or []
                 out, stop = run.filter.feed(item.text)
                 if out:
                     yield out

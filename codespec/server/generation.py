@@ -126,6 +126,8 @@ class Generations:
             updates["seed"] = None if body.seed == -1 else body.seed
         if body.stop is not None:
             updates["stop"] = tuple(body.stop)
+        if body.logprob_count() >= 0:
+            updates["logprobs"] = body.logprob_count()
         if body.requested_tokens() != 0:
             updates["max_tokens"] = self.token_limit(body.requested_tokens())
         spec_updates = {name: getattr(body, name) for name in ("draft_max", "draft_min")

@@ -138,3 +138,43 @@ def chat_template(tokenizer) -> str:
     if isinstance(template, dict):  # several named templates: the default one
         template = template.get("default") or next(iter(template.values()), None)
     return template if isinstance(template, str) else ""
+
+
+class Spelling:
+    """Token ids as text and bytes (llama.cpp's token_to_piece), for log-probability answers."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        self.bytewise = byte_level(tokenizer)
+
+    def bytes(self, token: int) -> bytes:
+        return token_bytes(self.tokenizer, token, self.special, self.bytewise)
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", errors="replace")
+
+
+def logprob_entries(tokenizer, logprobs: list, ids: bool = True) -> list[dict]:
+    """Each generated token's log-probability and its most likely alternatives, as OpenAI's chat `logprobs.content`
+    (ids=False) and llama-server's `completion_probabilities` (with each token's `id`) write them."""
+    spell = Spelling(tokenizer)
+
+    def one(token: int, logprob: float) -> dict:
+        return {**({"id": token} if ids else {}), "token": spell.text(token), "logprob": logprob,
+                "bytes": list(spell.bytes(token))}
+
+    return [{**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+            for entry in logprobs]
+
+
+def completion_logprobs(tokenizer, logprobs: list) -> dict:
+    """OpenAI's /v1/completions `logprobs`: tokens, their log-probabilities, the alternatives, character offsets."""
+    entries = logprob_entries(tokenizer, logprobs)
+    offsets, offset = [], 0
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
-from ..config import DRAFT_MAX_LIMIT, MIN_TOP_P
+from ..config import DRAFT_MAX_LIMIT, MAX_LOGPROBS, MIN_TOP_P
 
 MAX_STOP = 16  # stop strings per request (llama.cpp and OpenAI take a handful)
 MAX_ALTERNATIVES = 8  # n_cmpl / n: completions of one prompt per request
@@ -117,6 +117,16 @@ class Output(Lenient):
         """n_predict, else max_tokens, else -1 (no limit asked for); 0 asks to warm the cache only."""
         return next((value for value in (self.n_predict, self.max_tokens) if value is not None), -1)
 
+    def logprob_count(self) -> int:
+        """The most likely alternatives asked for per generated token, with its log-probability (llama.cpp's n_probs,
+        OpenAI's completions `logprobs` N and chat `logprobs` with `top_logprobs`); -1: none asked for."""
+        if getattr(self, "n_probs", 0):
+            return self.n_probs
+        logprobs = getattr(self, "logprobs", None)
+        if isinstance(logprobs, bool):
+            return (getattr(self, "top_logprobs", None) or 0) if logprobs else -1
+        return logprobs if logprobs is not None else -1
+
 
 class ExtraChunk(Lenient):
     filename: Text = Field("", max_length=1024)
@@ -127,6 +137,8 @@ class LlamaOutput(Lenient):
     """What only llama.cpp's generation routes (/infill, /completion) answer with."""
 
     return_tokens: bool = Field(False, description="the generated token ids in `tokens` (else [])")
+    n_probs: int = Field(0, ge=0, le=MAX_LOGPROBS, description="each generated token's log-probability and this "
+                         "many most likely alternatives, in `completion_probabilities`")
     n_cmpl: int = Field(1, ge=1, le=MAX_ALTERNATIVES, description="alternatives of the completion (llama.vscode "
                         "asks 3): the prompt computed once, they decode together; a list of answers, each with its "
                         "`index`, when above 1")
@@ -209,7 +221,8 @@ class CompletionRequest(Sampling, Speculation, Output, OpenAIOptions):
     suffix: Text | None = Field(None, description="text after the insertion point: fill-in-the-middle")
     best_of: int | None = Field(None, ge=1, le=1, description="one choice per request")
     echo: bool | None = Field(None, description="only false (not supported)")
-    logprobs: int | None = Field(None, ge=0, le=5, description="not supported")
+    logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability and this many most "
+                                                                "likely alternatives")
     n: int | None = Field(1, ge=1, le=MAX_ALTERNATIVES, description="choices: alternatives of one prompt, computed "
                                                                      "once, decoded together")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -217,8 +230,6 @@ class CompletionRequest(Sampling, Speculation, Output, OpenAIOptions):
     check_prompt = field_validator("prompt")(one_prompt)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
         if self.echo:
             return "echo", "echo is not supported"
         if self.suffix is not None and not isinstance(self.prompt, str):
@@ -241,8 +252,8 @@ class ChatRequest(Sampling, Speculation, Output, OpenAIOptions):
     max_tokens: int | None = Field(None, ge=-1, le=1 << 20,
                                    validation_alias=AliasChoices("max_tokens", "max_completion_tokens"),
                                    description="OpenAI's name for n_predict (also max_completion_tokens)")
-    logprobs: bool | None = Field(None, description="only false (not supported)")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="only 0 (not supported)")
+    logprobs: bool | None = Field(None, description="each token's log-probability (with top_logprobs alternatives)")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="most likely alternatives per token, with logprobs")
     response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
     tools: list[dict[str, Any]] | None = Field(None, description="only none (not supported)")
     functions: list[dict[str, Any]] | None = Field(None, description="only none (not supported)")
@@ -255,8 +266,8 @@ class ChatRequest(Sampling, Speculation, Output, OpenAIOptions):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.response_format and self.response_format.get("type") != "text":
             return "response_format", f"response_format {self.response_format.get('type')!r} is not supported " \
                                       "(only 'text')"
@@ -326,6 +337,7 @@ class GenerationSettings(LlamaParams):
 
 class InfillResponse(BaseModel):
     index: int = 0  # which alternative (n_cmpl)
+    completion_probabilities: list[dict[str, Any]] | None = None  # with n_probs: each token's, llama-server's shape
     content: str
     stop: bool
     stop_type: Literal["eos", "limit", "word", "none"]
@@ -367,7 +379,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # with `logprobs`: tokens, token_logprobs, top_logprobs, text_offset
     finish_reason: str | None
 
 
@@ -391,6 +403,7 @@ class ChatChoiceMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatChoiceMessage
+    logprobs: dict[str, Any] | None = None  # with `logprobs: true`: {"content": [{token, logprob, bytes, top_logprobs}]}
     finish_reason: str | None
 
 

@@ -92,7 +92,7 @@ def test_the_clients_optional_parameters_are_accepted(client, model):
     ("chat", {"model": "gpt-4o"}, openai.NotFoundError, "model"),
     ("completions", {"model": "gpt-3.5-turbo-instruct"}, openai.NotFoundError, "model"),
     ("chat", {"n": 9}, openai.UnprocessableEntityError, None),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, openai.BadRequestError, "logprobs"),
+    ("chat", {"top_logprobs": 2}, openai.BadRequestError, "top_logprobs"),  # (without logprobs: true)
     ("chat", {"presence_penalty": 0.5}, openai.BadRequestError, "presence_penalty"),
     ("chat", {"frequency_penalty": 1.0}, openai.BadRequestError, "frequency_penalty"),
     ("chat", {"logit_bias": {"504": 10}}, openai.BadRequestError, "logit_bias"),
@@ -109,7 +109,6 @@ def test_the_clients_optional_parameters_are_accepted(client, model):
      openai.UnprocessableEntityError, None),
     ("chat", {"messages": [{"role": "tool", "content": "42", "tool_call_id": "call_1"}]},
      openai.UnprocessableEntityError, None),
-    ("completions", {"logprobs": 2}, openai.BadRequestError, "logprobs"),
     ("completions", {"echo": True}, openai.BadRequestError, "echo"),
     ("completions", {"best_of": 3}, openai.UnprocessableEntityError, None),
     ("completions", {"prompt": ["one", "two"]}, openai.UnprocessableEntityError, None),
@@ -167,3 +166,20 @@ def test_n_choices_come_from_one_prompt_and_stream_with_their_index(client, mode
     whole = client.completions.create(**sampled)
     assert texts == [c.text for c in whole.choices] and len(set(texts)) > 1  # seeds one apart
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_logprobs_are_a_plain_decodes_at_every_position_with_and_without_speculation(client, model):
+    """The default model's kernels give a verify forward's rows the bits of one-token forwards: each token's
+    log-probability and its alternatives are exactly plain decoding's, drafts or not."""
+    request = dict(model=model, messages=MESSAGES, max_completion_tokens=48, temperature=0, logprobs=True,
+                   top_logprobs=3)
+    plain = client.chat.completions.create(**request, extra_body={"spec": "none"})
+    drafted = client.chat.completions.create(**request)
+    assert drafted.model_extra["speculation"]["accepted_tokens"] > 0
+    assert drafted.choices[0].message.content == plain.choices[0].message.content
+    assert [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+            for t in drafted.choices[0].logprobs.content] == \
+        [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in plain.choices[0].logprobs.content]
+    assert len(plain.choices[0].logprobs.content) == plain.usage.completion_tokens
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    assert len(completion.choices[0].logprobs.tokens) == 8 and len(completion.choices[0].logprobs.top_logprobs[0]) <= 2

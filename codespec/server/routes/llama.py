@@ -10,7 +10,7 @@ from ...context.fim import SuffixTrimmer, fim_prompt, prompt_budget
 from ...request import LLAMA_CPP, BlockLimit, Prompt
 from ..errors import LLAMA_CPP_ERRORS
 from ..generation import Generation
-from ..llamacpp import generated_ids, run_settings
+from ..llamacpp import generated_ids, logprob_entries, run_settings
 from ..schemas import InfillRequest, InfillResponse, LlamaCompletionRequest, SelectedFields
 from ..state import Server, ServerState
 from .common import (answer, event_stream, finish_all, merged, prompt_ids, select_fields, start_all,
@@ -44,7 +44,10 @@ async def llama_answer(server: ServerState, runs: list[Generation], body, reques
     a stream (llama.vim reads its answer as JSON). With n_cmpl alternatives, as llama-server: a whole answer is a
     list of them, each with its `index`, and each streamed event has its alternative's `index`."""
     def whole(run: Generation) -> dict:
-        return {**infill_body(server, run), **llama_fields(server, run, body), "index": runs.index(run)}
+        probabilities = ({"completion_probabilities": logprob_entries(server.engine.tokenizer, run.token_logprobs)}
+                         if body.n_probs else {})
+        return {**infill_body(server, run), **llama_fields(server, run, body), "index": runs.index(run),
+                **probabilities}
 
     if body.stream and not runs[0].plan.warm_only:
         def events(run: Generation):

@@ -15,7 +15,7 @@ from ...errors import CodespecError
 from ...request import Prompt
 from ..errors import OPENAI_ERRORS, Unsupported
 from ..generation import Generation
-from ..llamacpp import BUILD_INFO
+from ..llamacpp import BUILD_INFO, completion_logprobs, logprob_entries
 from ..schemas import ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, OpenAIOptions
 from ..state import Server, ServerState
 from .common import answer, event_stream, finish_all, merged, prompt_ids, sse, start_all, stream_events, streamed
@@ -92,7 +92,10 @@ async def completions(body: CompletionRequest, request: Request, server: Server)
             "system_fingerprint": BUILD_INFO}
 
     def choice(index: int, run: Generation, text: str | None = None, finish_reason=None) -> dict:
-        return {"text": run.text if text is None else text, "index": index, "logprobs": None,
+        last = text is None or finish_reason is not None  # the whole answer, or a stream's last chunk
+        logprobs = (completion_logprobs(server.engine.tokenizer, run.token_logprobs)
+                    if last and body.logprob_count() >= 0 else None)
+        return {"text": run.text if text is None else text, "index": index, "logprobs": logprobs,
                 "finish_reason": run.finish_reason if text is None else finish_reason}
 
     return await respond(server, request, body, runs, head, "text_completion", choice,
@@ -121,11 +124,17 @@ async def chat(body: ChatRequest, request: Request, server: Server):
             "system_fingerprint": BUILD_INFO}
     started: set[int] = set()  # alternatives whose first delta went (it carries the role)
 
+    def logprobs(run: Generation) -> dict | None:
+        if body.logprob_count() < 0:
+            return None
+        return {"content": logprob_entries(server.engine.tokenizer, run.token_logprobs, ids=False)}
+
     def delta(index: int, text: str, finish_reason) -> dict:
         content = {"content": text} if index in started else {"role": "assistant", "content": text}
         started.add(index)
-        return {"index": index, "delta": content, "finish_reason": finish_reason}
+        return {"index": index, "delta": content, "finish_reason": finish_reason,
+                **({"logprobs": logprobs(runs[index])} if finish_reason is not None else {})}
 
     return await respond(server, request, body, runs, head, "chat.completion",
                          lambda index, run: {"index": index, "message": {"role": "assistant", "content": run.text},
-                                             "finish_reason": run.finish_reason}, delta)
+                                             "logprobs": logprobs(run), "finish_reason": run.finish_reason}, delta)
