@@ -150,12 +150,13 @@ class Generations:
         return await self.scheduler.acall(self._start, plan, time.perf_counter())
 
     async def start_all(self, plan: Plan, count: int) -> list[Generation]:
-        """`count` alternatives of one request (llama.cpp's n_cmpl, OpenAI's n). The first runs as a request alone
-        would; once it has cached the prompt (its first output), the others start from a copy of that cache
-        (Session.fork: computed once), each in a temporary session, sampling with seeds one apart (greedy ones are
-        duplicates). They decode together, one batched forward a tick, and draft from one pool."""
-        if count == 1 or plan.warm_only:
-            return [await self.start(plan)]
+        """`count` alternatives of one request (llama.cpp's n_cmpl, OpenAI's n), in order. The first runs as a
+        request alone would; once it has cached the prompt (its first output), the others start from a copy of that
+        cache (Session.fork: computed once), each in a temporary session, sampling with seeds one apart. They decode
+        together, one batched forward a tick, and draft from one pool. Greedy alternatives are one text: the first
+        run, `count` times in the list (runs_of gives each run once)."""
+        if count == 1 or plan.warm_only or plan.params.temperature == 0:
+            return [await self.start(plan)] * (1 if plan.warm_only else count)
         sessions = [f"{plan.tenant}tmp-{uuid.uuid4().hex}" for _ in range(count - 1)]
         first = await self.start(replace(plan, fork_to=tuple(sessions)))
         runs = [first]
@@ -174,6 +175,14 @@ class Generations:
                                                        if s not in self.scheduler.busy_sessions()])
             raise
         return runs
+
+    @staticmethod
+    def runs_of(alternatives: list[Generation]) -> list[tuple[Generation, list[int]]]:
+        """Each distinct run of start_all's list, with the alternatives' indexes it answers."""
+        groups: dict[int, tuple[Generation, list[int]]] = {}
+        for index, run in enumerate(alternatives):
+            groups.setdefault(id(run), (run, []))[1].append(index)
+        return list(groups.values())
 
     def _start(self, engine, plan: Plan, arrived: float) -> Generation:
         self.warmups = {name: job for name, job in self.warmups.items() if not job.done}

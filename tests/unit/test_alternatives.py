@@ -26,12 +26,17 @@ def post(server, **body):
     return answer.json()
 
 
-def test_greedy_alternatives_are_the_one_answer_from_one_prompt_computation(server):
+def test_greedy_alternatives_are_one_answer_computed_once(server):
     alone = post(server, temperature=0)
     alternatives = post(server, temperature=0, n_cmpl=3)
     assert isinstance(alternatives, list) and [a["index"] for a in alternatives] == [0, 1, 2]
     assert all(a["content"] == alone["content"] for a in alternatives)
-    prompt_tokens = alone["tokens_evaluated"]
+    assert all(a["timings"] == alternatives[0]["timings"] for a in alternatives)  # greedy: one run answers all
+
+
+def test_sampled_alternatives_compute_the_prompt_once(server):
+    alternatives = post(server, temperature=1.0, n_cmpl=3)
+    prompt_tokens = alternatives[0]["tokens_evaluated"]
     assert alternatives[0]["timings"]["prompt_n"] == prompt_tokens  # the first computes the prompt
     for other in alternatives[1:]:  # the others copy its cache: only the prompt's last token is fed again
         assert other["tokens_cached"] == prompt_tokens - 1 and other["timings"]["prompt_n"] == 1
@@ -62,3 +67,15 @@ def test_streamed_alternatives_tag_each_event_with_its_index(server):
 def test_too_many_alternatives_is_a_400(server):
     answer = server.post("/infill", json={"input_prefix": "x = ", "n_predict": 4, "n_cmpl": 9})
     assert answer.status_code == 400 and "n_cmpl" in json.dumps(answer.json())
+
+
+def test_streamed_greedy_alternatives_are_one_stream_under_each_index(server):
+    whole = post(server, temperature=0)
+    body = {"prompt": PROMPT, "n_predict": 24, "cache_prompt": False, "temperature": 0, "n_cmpl": 3, "stream": True}
+    with server.stream("POST", "/completion", json=body) as response:
+        events = sse_events(response)
+    pieces = {0: "", 1: "", 2: ""}
+    for event in events:
+        pieces[event["index"]] += event["content"]
+    assert pieces == {0: whole["content"], 1: whole["content"], 2: whole["content"]}
+    assert sorted(event["index"] for event in events if event["stop"]) == [0, 1, 2]

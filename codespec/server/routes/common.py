@@ -76,8 +76,10 @@ async def finish(generations: Generations, request: Request, run: Generation) ->
 
 
 async def finish_all(generations: Generations, request: Request, runs: list[Generation]) -> Response | None:
-    """Collect runs together (alternatives of one request) while watching the client, as `finish`."""
-    collecting = asyncio.ensure_future(asyncio.gather(*(generations.collect(run) for run in runs)))
+    """Collect runs together (alternatives of one request; a run listed twice is collected once) while watching
+    the client, as `finish`."""
+    collecting = asyncio.ensure_future(asyncio.gather(*(generations.collect(run)
+                                                        for run, _ in generations.runs_of(runs))))
     watching = asyncio.ensure_future(disconnected(request))
     done, _ = await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
     if collecting in done:
@@ -139,13 +141,15 @@ def event_stream(events) -> EventSourceResponse:
     return EventSourceResponse(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def stream_events(generations: Generations, run: Generation, piece: Callable[[str], dict],
+async def stream_events(generations: Generations, run: Generation, piece: Callable[[str], dict | list[dict]],
                         last: Callable[[], list[dict]], done: bool) -> AsyncIterator[bytes]:
-    """SSE: one event per text piece, then the last ones; `data: [DONE]` after them for OpenAI routes. The status
+    """SSE: one event per text piece (or several: piece's list), then the last ones; `data: [DONE]` after them for OpenAI routes. The status
     line is sent already when something fails: the error is the last event (then [DONE]), not a cut stream."""
     try:
         async for delta in generations.deltas(run):
-            yield sse(piece(delta))
+            event = piece(delta)
+            for one in event if isinstance(event, list) else [event]:  # (a run that answers several alternatives)
+                yield sse(one)
         for event in last():
             yield sse(event)
     except DeviceMemoryFull as exc:

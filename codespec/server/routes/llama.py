@@ -43,25 +43,25 @@ async def llama_answer(server: ServerState, runs: list[Generation], body, reques
     """/infill's and /completion's answer: streamed as {"content": piece} events, or whole; a warm-up is never
     a stream (llama.vim reads its answer as JSON). With n_cmpl alternatives, as llama-server: a whole answer is a
     list of them, each with its `index`, and each streamed event has its alternative's `index`."""
-    def whole(run: Generation) -> dict:
+    def whole(index: int, run: Generation) -> dict:
         probabilities = ({"completion_probabilities": logprob_entries(server.engine.tokenizer, run.token_logprobs)}
                          if body.n_probs else {})
-        return {**infill_body(server, run), **llama_fields(server, run, body), "index": runs.index(run),
-                **probabilities}
+        return {**infill_body(server, run), **llama_fields(server, run, body), "index": index, **probabilities}
 
+    groups = server.generations.runs_of(runs)
     if body.stream and not runs[0].plan.warm_only:
-        def events(run: Generation):
-            index = runs.index(run)
+        def events(run: Generation, indexes: list[int]):
             return stream_events(server.generations, run,
-                                 lambda delta: {"content": delta, "stop": False, "index": index},
-                                 lambda: [{**whole(run), "content": ""}], done=False)
-        return event_stream(events(runs[0]) if len(runs) == 1 else merged([events(run) for run in runs]))
+                                 lambda delta: [{"content": delta, "stop": False, "index": i} for i in indexes],
+                                 lambda: [{**whole(i, run), "content": ""} for i in indexes], done=False)
+        streams = [events(run, indexes) for run, indexes in groups]
+        return event_stream(streams[0] if len(streams) == 1 else merged(streams))
     stopped = await finish_all(server.generations, request, runs)
     if stopped is not None:
         return stopped
     if len(runs) == 1:
-        return answer(whole(runs[0]), body.response_fields, InfillResponse)
-    return JSONResponse([select_fields(whole(run), body.response_fields) for run in runs])
+        return answer(whole(0, runs[0]), body.response_fields, InfillResponse)
+    return JSONResponse([select_fields(whole(index, run), body.response_fields) for index, run in enumerate(runs)])
 
 
 @router.post("/infill", response_model=InfillResponse | list[InfillResponse] | SelectedFields,

@@ -53,15 +53,16 @@ async def respond(server: ServerState, request: Request, body, runs: list[Genera
         def chunk(choice_delta: dict, **more) -> dict:
             return {**head, "object": f"{kind}.chunk", "choices": [choice_delta], **more}
 
-        def events(index: int, run: Generation):
+        def events(run: Generation, indexes: list[int]):  # (greedy alternatives: one run, several indexes)
             def last() -> list[dict]:  # (alone, the last chunk has the usage too)
                 alone = {"usage": usage(runs)} if len(runs) == 1 else {}
-                return [chunk(delta(index, "", run.finish_reason), **alone, **extras(run))]
-            return stream_events(server.generations, run, lambda text: chunk(delta(index, text, None)), last,
+                return [chunk(delta(index, "", run.finish_reason), **alone, **extras(run)) for index in indexes]
+            return stream_events(server.generations, run,
+                                 lambda text: [chunk(delta(index, text, None)) for index in indexes], last,
                                  done=False)
 
         async def stream():
-            async for event in merged([events(index, run) for index, run in enumerate(runs)]):
+            async for event in merged([events(run, indexes) for run, indexes in server.generations.runs_of(runs)]):
                 yield event
             if body.include_usage:
                 yield sse({**head, "object": f"{kind}.chunk", "choices": [], "usage": usage(runs)})
