@@ -79,6 +79,16 @@ def running_codespec_serve():
         process.wait(timeout=30)
 
 
+@contextmanager
+def tiny_client(engine):
+    """httpx against the real app on `engine` (the tiny model's), two slots, on a live uvicorn."""
+    from codespec.config import ServerConfig
+    from codespec.server import create_app
+
+    with live_server(create_app(engine, ServerConfig(slots=2))) as url, httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -4,12 +4,9 @@ token's, read from the verify forward's rows, the same with and without speculat
 import math
 from dataclasses import replace
 
-import httpx
 import pytest
 
-from codespec.config import ServerConfig
-from codespec.server import create_app
-from tests.serving import live_server, sse_events
+from tests.serving import sse_events, tiny_client
 
 PROMPT = "def total(values):\n    result = 0\n    for value in values:\n" * 3  # repetitive: drafts get accepted
 
@@ -17,8 +14,7 @@ PROMPT = "def total(values):\n    result = 0\n    for value in values:\n" * 3  #
 @pytest.fixture
 def server(engine):
     engine.spec = replace(engine.spec, adaptive=False)  # drafts verified whatever this machine's load: they are
-    app = create_app(engine, ServerConfig(slots=2))      # what the comparison with plain decoding is about
-    with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with tiny_client(engine) as client:                  # what the comparison with plain decoding is about
         yield client
 
 

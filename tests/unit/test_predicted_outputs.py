@@ -1,20 +1,16 @@
 """OpenAI's Predicted Outputs (`prediction`) on every generation route, on the tiny model: the prediction drafts
 (edit-align follows it), the text stays what the model writes, and usage counts the prediction's tokens."""
 
-import httpx
 import pytest
 
-from codespec.config import ServerConfig
-from codespec.server import create_app
-from tests.serving import live_server, sse_events
+from tests.serving import sse_events, tiny_client
 
 PROMPT = "def total(values):\n    result = 0\n    for value in values:\n"
 
 
 @pytest.fixture
 def server(engine):
-    app = create_app(engine, ServerConfig(slots=2))
-    with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with tiny_client(engine) as client:
         yield client
 
 
