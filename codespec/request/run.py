@@ -132,11 +132,12 @@ class Requests:
             steps = engine.stream_steps(prompt.ids, request.params, session_id=run.session_id, spec=request.spec,
                                         reference=prompt.reference, stop_ids=prompt.stop_ids,
                                         prefill_chunk=self.prefill_chunk, healed=prompt.healed)
+            forks = request.fork_to  # copied once, at the first chunk: the prompt is cached by then
             with closing(steps):  # a job stopped between two chunks ends the engine's generation there, at once
                 while (chunk := (yield from next_output(steps))) is not None:
-                    for other in request.fork_to:  # the prompt is cached now: the alternatives start from it
+                    for other in forks:
                         engine.fork(run.session_id, other, prompt.ids, request.spec)
-                    request = replace(request, fork_to=())
+                    forks = ()
                     if chunk.result is not None and chunk.result.finish_reason == "stop":
                         said = engine.tokenizer.decode(chunk.result.tokens, skip_special_tokens=True)
                         run.stop_word = next((s for s in request.params.stop if s and s in said), "")
