@@ -51,6 +51,7 @@ def codespec_home() -> Path:
 
 
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 1e6  # a logit bias's size (OpenAI's are -100..100; float32 logits stay finite far past this)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class SamplingParams:
     seed: int | None = None  # fixes the sampling stream for reproducible output
     stop: tuple[str, ...] = ()  # generation ends when the text contains any of these
     logprobs: int = -1  # >= 0: each new token's log-probability and this many most likely alternatives; -1: none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit at every position; -inf: never)
 
     def __post_init__(self):
         self.validate()  # a setting out of range never exists: construction (and dataclasses.replace) checks it
@@ -80,6 +82,10 @@ class SamplingParams:
             raise InvalidSetting(f"top-p must be in {MIN_TOP_P}..1, got {self.top_p}")
         if not -1 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidSetting(f"logprobs must be in 0..{MAX_LOGPROBS} (or -1: none), got {self.logprobs}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (bias == float("-inf") or abs(bias) <= MAX_LOGIT_BIAS):
+                raise InvalidSetting(f"logit_bias must map token ids >= 0 to a bias in -{MAX_LOGIT_BIAS:g}.."
+                                     f"{MAX_LOGIT_BIAS:g} (or -inf: never), got {token}: {bias}")
 
 
 @dataclass

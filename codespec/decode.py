@@ -178,8 +178,9 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     started = time.perf_counter()
     if constraint is not None:
         constraint.mask(logits, drafted)
-    # the path's own argmax (rows.targets) unless a constraint changed the logits
-    targets = rows.targets if constraint is None else None
+    sampler.bias(logits)
+    # the path's own argmax (rows.targets) unless a constraint or a logit bias changed the logits
+    targets = rows.targets if constraint is None and not sampler.params.logit_bias else None
     accepted, next_token = sampler.verify(logits, drafted, probs, targets)
     if adaptive is not None and proposal:
         adaptive.observe(drafter, proposal, verify, accepted, next_token)

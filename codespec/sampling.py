@@ -23,6 +23,15 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs [vocab] (not necessarily normalised): the cumulative sum inverted at one uniform draw.
+    torch.multinomial took 1.3 ms a row over a 49,152-token vocabulary on a CPU, more than a forward; this takes
+    ~0.1 ms. A token of probability 0 is never drawn (the first position whose sum exceeds the draw)."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_max(len(cdf) - 1))
+
+
 class Sampler:
     """Decides how much of a draft the target accepts, and the target's own next token.
 
@@ -38,6 +47,7 @@ class Sampler:
         else:
             self.generator.seed()
         self.generators = {"cpu": self.generator}  # one per device the logits come from, seeded from the first
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias's tokens and values, on the device
 
     def generator_for(self, device: torch.device) -> torch.Generator:
         """The session's generator on the logits' device, so that sampling happens where the logits are (on a
@@ -53,16 +63,44 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.temperature == 0.0
 
+    def bias(self, logits: torch.Tensor) -> None:
+        """Add the request's logit_bias to every row of logits [n, vocab], in place (the rows are this session's:
+        the model's distribution becomes the one it samples from, so the verify accepts what the biased model
+        would have chosen, and speculation stays lossless with respect to it)."""
+        if not self.params.logit_bias:
+            return
+        if self._bias is None or self._bias[0].device != logits.device:
+            merged: dict[int, float] = {}  # (a token named twice gets both biases, as llama.cpp adds them)
+            for token, value in self.params.logit_bias:
+                merged[token] = merged.get(token, 0.0) + value
+            tokens, values = zip(*merged.items())
+            self._bias = (torch.tensor(tokens, device=logits.device),
+                          torch.tensor(values, dtype=logits.dtype, device=logits.device))
+        tokens, values = self._bias
+        logits[:, tokens] += values
+
     def verify(self, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None = None,
                targets: list[int] | None = None):
         """targets: the argmax of each row when the forward took it already (graphs.py: no wait for the device)."""
         if self.greedy:
             return verify_greedy(logits, draft, targets)
-        probs = warp(logits, self.params)
-        generator = self.generator_for(probs.device)
+        generator = self.generator_for(logits.device)
         if draft_probs is None:
-            return verify_sampled_exact(probs, draft, generator)
+            return verify_sampled_exact(WarpedRows(logits, self.params), draft, generator)
+        probs = warp(logits, self.params)
         return verify_rejection(probs, draft, draft_probs.float().to(probs.device), generator)
+
+
+class WarpedRows:
+    """warp() of each row of logits [k+1, vocab], computed when it is read: a sampled verify reads the rows up to its
+    first mismatch, mostly one or two of them (warping all k+1 rows of a 49,152-token vocabulary cost more than
+    the forward on a CPU)."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams):
+        self.logits, self.params = logits, params
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        return warp(self.logits[row : row + 1], self.params)[0]
 
 
 def verify_greedy(logits: torch.Tensor, draft: list[int], targets: list[int] | None = None) -> tuple[int, int]:
@@ -81,13 +119,13 @@ def verify_sampled_exact(probs: torch.Tensor, draft: list[int], generator) -> tu
 
     A deterministic draft token d has q(d) = 1, so rejection sampling accepts it with probability p(d)
     and otherwise resamples from p restricted to tokens != d: exactly "sample from p, compare".
-    Samples past the first mismatch are discarded, so every emitted token is drawn from the target.
+    Rows are sampled in order and none past the first mismatch, so every emitted token is drawn from the target.
+    probs: [k+1, vocab], or WarpedRows.
     """
-    samples = torch.multinomial(probs, 1, generator=generator).squeeze(-1).tolist()  # [k+1]
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == samples[accepted]:
-        accepted += 1
-    return accepted, samples[accepted]
+    for accepted in range(len(draft) + 1):
+        token = draw(probs[accepted], generator)
+        if accepted == len(draft) or token != draft[accepted]:
+            return accepted, token
 
 
 def verify_rejection(probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor, generator):
@@ -108,5 +146,5 @@ def verify_rejection(probs: torch.Tensor, draft: list[int], draft_probs: torch.T
         residual = (probs[accepted] - draft_probs[accepted]).clamp_min(0)
         total = residual.sum()
         residual = residual / total if total > 0 else probs[accepted]
-        return accepted, int(torch.multinomial(residual, 1, generator=generator))
-    return accepted, int(torch.multinomial(probs[k], 1, generator=generator))
+        return accepted, draw(residual, generator)
+    return accepted, draw(probs[k], generator)

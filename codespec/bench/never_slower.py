@@ -5,7 +5,8 @@ Each round runs every configuration once on a workload, one configuration later 
 a configuration's paired ratio for the round is plain's time over its own in that round: runs side by side share the
 machine's state. The lane reports, per class, configuration and length, the median of those ratios over rounds and
 workloads and their spread (the lowest and highest, and the interquartile range), the time outside forwards, and
-whether every output matched plain's; and it names every configuration whose median falls under NEVER_SLOWER.
+whether every output matched plain's; and it names every configuration whose median falls under NEVER_SLOWER, after
+measuring each such row again with more rounds beside plain alone (recheck): its verdict is the recheck's median.
 
 Two things let a reader judge a row against the machine's noise. Plain runs twice a round, and the second copy's
 row (PLAIN_AGAIN, plain against itself) is the noise floor: on a shared 2-core machine single runs of the same work
@@ -26,6 +27,7 @@ from .workloads import Workload
 LENGTHS = (32, 128, 512)  # tokens generated: an editor's completion, an edit's worth, a long answer
 PLAIN_AGAIN = "plain (again)"  # plain against itself: the noise floor
 MORE_ROUNDS = 256  # lengths under this run repeats * (MORE_ROUNDS // length) rounds, at most 4x
+RECHECK_REPEATS = 6  # a row under NEVER_SLOWER runs again alone with plain: this many rounds' worth (rounds())
 
 
 def rounds(repeats: int, length: int) -> int:
@@ -50,10 +52,37 @@ def quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def recheck(engine: Engine, workloads: list[Workload], configs: list[runner.Config], result: dict, repeats: int,
+            progress=None) -> dict:
+    """A row under NEVER_SLOWER, measured again with more rounds and only plain and plain again beside it (fewer
+    configurations a round: the rounds sit closer in time): its median paired ratio and spread, and plain against
+    itself in the same rounds."""
+    length = result["max_tokens"]
+    chosen = [w for w in workloads if w.kind == result["kind"]]
+    trio = [c for c in configs if c.name in (runner.PLAIN, result["config"], PLAIN_AGAIN)]
+    rows = runner.run_bench(engine, chosen, trio, rounds(repeats, length), length, turns=1, progress=progress)
+    plain = {row.workload.name: row for row in rows if row.config == runner.PLAIN}
+
+    def ratios(config: str) -> list[float]:
+        return [p.seconds / r.seconds for row in rows if row.config == config
+                for p, r in zip(plain[row.workload.name].runs, row.runs)]
+
+    mine, noise = ratios(result["config"]), ratios(PLAIN_AGAIN)
+    low, high = quartiles(mine)
+    return {"runs": len(mine), "median": round(statistics.median(mine), 3), "q1": round(low, 3),
+            "q3": round(high, 3), "plain_again": round(statistics.median(noise), 3)}
+
+
+def verdict(result: dict) -> float:
+    """A row's median paired ratio: the recheck's where it was rechecked."""
+    return result["recheck"]["median"] if "recheck" in result else result["median_paired_speedup_vs_plain"]
+
+
 def run_lane(engine: Engine, workloads: list[Workload], configs: list[runner.Config], lengths=LENGTHS,
-             repeats: int = 5, progress=None) -> dict:
+             repeats: int = 5, progress=None, repeats_recheck: int = RECHECK_REPEATS) -> dict:
     """Every configuration (plain among them, and plain again) on every workload at every length, paired rounds:
-    `repeats` at the longest lengths, more at short ones (rounds())."""
+    `repeats` at the longest lengths, more at short ones (rounds()). A row under NEVER_SLOWER is measured again
+    (recheck), and its verdict is the recheck's median."""
     plain = next(c for c in configs if c.name == runner.PLAIN)
     configs = [*configs, runner.Config(PLAIN_AGAIN, plain.spec)]
     rows = []
@@ -90,9 +119,12 @@ def run_lane(engine: Engine, workloads: list[Workload], configs: list[runner.Con
             if group["tokens_per_forward"] else None,
             "outside_forwards_share": round(statistics.median(group["outside"]), 4) if group["outside"] else None,
             "identical_to_plain": group["identical"]})
-    slower = [f"{r['kind']}/{r['config']}@{r['max_tokens']} {r['median_paired_speedup_vs_plain']:.3f}x"
-              for r in results if r["median_paired_speedup_vs_plain"] < runner.NEVER_SLOWER
-              and r["config"] != PLAIN_AGAIN]
+    flagged = [r for r in results
+               if r["median_paired_speedup_vs_plain"] < runner.NEVER_SLOWER and r["config"] != PLAIN_AGAIN]
+    for result in flagged:
+        result["recheck"] = recheck(engine, workloads, configs, result, repeats_recheck, progress)
+    slower = [f"{r['kind']}/{r['config']}@{r['max_tokens']} {verdict(r):.3f}x" for r in flagged
+              if verdict(r) < runner.NEVER_SLOWER]
     noise = [r for r in results if r["config"] == PLAIN_AGAIN]
     return {"lengths": list(lengths), "repeats": repeats, "rounds": {n: rounds(repeats, n) for n in lengths},
             "workloads": [w.name for w in workloads], "never_slower": runner.NEVER_SLOWER,
@@ -116,6 +148,10 @@ def format_lane(data: dict) -> str:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "-"
         outside = f"{r['outside_forwards_share']:.1%}" if r["outside_forwards_share"] is not None else "-"
         flag = " <" if r["median_paired_speedup_vs_plain"] < data["never_slower"] else ""
+        if "recheck" in r:
+            again = r["recheck"]
+            flag += (f" rechecked: {again['median']:.3f}x over {again['runs']} rounds (IQR {again['q1']:.2f}.."
+                     f"{again['q3']:.2f}; plain again {again['plain_again']:.3f}x)")
         lines.append(f"{r['kind']:11} {r['config']:{width}} {r['max_tokens']:6} "
                      f"{r['median_paired_speedup_vs_plain']:6.3f}x {spread:>28} {r['best']:5.3f}x {tpf:>7} {outside:>7} "
                      f"{'yes' if r['identical_to_plain'] else 'NO'}{flag}")
@@ -123,6 +159,6 @@ def format_lane(data: dict) -> str:
     noise = data["noise_floor"]
     lines += ["", f"noise floor: {PLAIN_AGAIN} against plain, medians {noise['lowest_median']:.3f}x.."
                   f"{noise['highest_median']:.3f}x",
-              f"under {data['never_slower']}x of plain (median of paired runs): "
+              f"under {data['never_slower']}x of plain (median of paired runs, rechecked): "
               f"{', '.join(slower) if slower else 'none'}"]
     return "\n".join(lines)

@@ -40,7 +40,7 @@ import torch
 from ..config import SamplingParams
 from ..errors import CodespecError
 from ..forward import forward_path
-from ..sampling import warp
+from ..sampling import draw, warp
 from .base import Draft, Drafter, common_prefix
 
 # The sampler seeds its generator with params.seed itself. The draft's stream must be a different one:
@@ -102,7 +102,7 @@ class DraftModel(Drafter):
                 break
             if sampled:
                 distribution = warp(logits[None], self.params)[0]  # [vocab]
-                token = int(torch.multinomial(distribution, 1, generator=self.generator))
+                token = draw(distribution, self.generator)
                 distributions.append(distribution)
             else:
                 token = int(logits.argmax())

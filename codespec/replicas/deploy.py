@@ -224,6 +224,7 @@ class Gateway:
         if isinstance(answers, Response):
             return answers
         rows = [{**row, "replica": rid} for rid, body in answers.items() for row in json.loads(body)]
+        rows = [{**row, "id": index} for index, row in enumerate(rows)]  # (each replica numbers its own from 0)
         return Response(json.dumps(rows), media_type="application/json")
 
     @gateway_app.get("/replicas")

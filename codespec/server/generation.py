@@ -26,6 +26,7 @@ import numpy as np
 from ..config import SamplingParams, ServerConfig, SpecConfig
 from ..engine import KEEP
 from ..request import Request, Requests, Run
+from .errors import Unsupported
 from .llamacpp import fitting
 
 MIN_REUSE = 8  # shared prompt tokens that make a slot worth reusing over an empty one
@@ -128,6 +129,8 @@ class Generations:
             updates["stop"] = tuple(body.stop)
         if body.logprob_count() >= 0:
             updates["logprobs"] = body.logprob_count()
+        if body.logit_bias:
+            updates["logit_bias"] = self.bias_tokens(body.biases())
         if body.requested_tokens() != 0:
             updates["max_tokens"] = self.token_limit(body.requested_tokens())
         spec_updates = {name: getattr(body, name) for name in ("draft_max", "draft_min")
@@ -137,6 +140,19 @@ class Generations:
         if "draft_max" in spec_updates and "draft_min" not in spec_updates:
             spec_updates["draft_min"] = min(self.spec.draft_min, spec_updates["draft_max"])
         return replace(self.params, **updates), replace(self.spec, **spec_updates)  # (each checks itself)
+
+    def bias_tokens(self, biases: list[tuple[int | str, float]]) -> tuple[tuple[int, float], ...]:
+        """logit_bias's (token id or text, bias) as (token id, bias): a text's every token, as llama-server reads
+        it; an id outside the vocabulary is a 400."""
+        engine = self.scheduler.engine
+        vocabulary = int(engine.model.config.vocab_size)
+        pairs = []
+        for key, bias in biases:
+            tokens = engine.tokenizer.encode(key, add_special_tokens=False) if isinstance(key, str) else [key]
+            if any(token >= vocabulary for token in tokens):
+                raise Unsupported("logit_bias", f"token id {key} is outside the vocabulary (0..{vocabulary - 1})")
+            pairs += [(token, bias) for token in tokens]
+        return tuple(pairs)
 
     @staticmethod
     def session_name(body, tenant: str = "") -> str | None:

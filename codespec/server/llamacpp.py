@@ -49,7 +49,9 @@ def params_json(params: SamplingParams, spec: SpecConfig, n_predict: int, stream
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
             "stop": list(params.stop), "stream": stream, "n_indent": n_indent, "t_max_predict_ms": t_max_predict_ms,
             "speculative.n_max": spec.draft_max, "speculative.n_min": spec.draft_min,
-            "speculative.p_min": spec.draft_p_min, "spec": list(spec.spec)}
+            "speculative.p_min": spec.draft_p_min, "spec": list(spec.spec),
+            "logit_bias": [{"token": token, "bias": None if bias == float("-inf") else bias}
+                           for token, bias in params.logit_bias]}
 
 
 def run_settings(run, body) -> dict:
@@ -168,10 +170,11 @@ def logprob_entries(tokenizer, logprobs: list, ids: bool = True) -> list[dict]:
             for entry in logprobs]
 
 
-def completion_logprobs(tokenizer, logprobs: list) -> dict:
-    """OpenAI's /v1/completions `logprobs`: tokens, their log-probabilities, the alternatives, character offsets."""
+def completion_logprobs(tokenizer, logprobs: list, offset: int = 0) -> dict:
+    """OpenAI's /v1/completions `logprobs`: tokens, their log-probabilities, the alternatives, character offsets
+    (from `offset`: the characters a stream's earlier chunks' tokens spelled)."""
     entries = logprob_entries(tokenizer, logprobs)
-    offsets, offset = [], 0
+    offsets = []
     for entry in entries:
         offsets.append(offset)
         offset += len(entry["token"])

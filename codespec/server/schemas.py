@@ -11,10 +11,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
-from ..config import DRAFT_MAX_LIMIT, MAX_LOGPROBS, MIN_TOP_P
+from ..config import DRAFT_MAX_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MIN_TOP_P
 
 MAX_STOP = 16  # stop strings per request (llama.cpp and OpenAI take a handful)
 MAX_ALTERNATIVES = 8  # n_cmpl / n: completions of one prompt per request
+MAX_BIASES = 1024  # logit_bias entries per request (OpenAI takes 300)
 SessionName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
 
 
@@ -82,12 +83,39 @@ class Speculation(Lenient):
         return value
 
 
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)] | Literal[False]
+BiasKey = Annotated[Text, Field(min_length=1, max_length=256)]
+BiasPair = Annotated[list[int | BiasKey | Bias], Field(min_length=2, max_length=2)]  # llama.cpp's [key, bias]
+
+
 class Sampling(Lenient):
     temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy (the default)")
     top_k: int | None = Field(None, ge=0, le=1 << 20)
     top_p: float | None = Field(None, ge=MIN_TOP_P, le=1.0)
     seed: int | None = Field(None, ge=-1, le=(1 << 63) - 1, description="-1 or absent: unseeded")
     stop: list[Annotated[Text, Field(max_length=256)]] | Text | None = Field(None)
+    logit_bias: dict[BiasKey, Bias] | list[BiasPair] | None = Field(
+        None, description="added to tokens' logits at every position, in either dialect: OpenAI's {'token id': "
+                          "bias} (-100 bans a token, 100 all but forces it) or llama.cpp's [[token id or text, bias "
+                          "or false]] (a text's every token; false: never); a key that is not an id is a text")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def few_biases(cls, value):
+        if value is not None and len(value) > MAX_BIASES:
+            raise ValueError(f"at most {MAX_BIASES} logit_bias entries")
+        for key, bias in value if isinstance(value, list) else ():
+            if not isinstance(key, (int, str)) or isinstance(key, bool) or (isinstance(key, int) and key < 0):
+                raise ValueError(f"a logit_bias pair starts with a token id or a text, not {key!r}")
+            if isinstance(bias, str):
+                raise ValueError(f"a logit_bias pair ends with a bias or false, not {bias!r}")
+        return value
+
+    def biases(self) -> list[tuple[int | str, float]]:
+        """logit_bias as (token id or text, bias) pairs; false is -inf."""
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        return [(int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key,
+                 float("-inf") if value is False else float(value)) for key, value in pairs]
 
     @field_validator("stop")
     @classmethod
@@ -186,7 +214,7 @@ class StreamOptions(Lenient):
 
 class OpenAIOptions(Lenient):
     """The OpenAI parameters codespec takes, and those it cannot honour: sent with a value that would change the
-    answer (logprobs, penalties, logit_bias, tools, a JSON response_format, several choices), they get a 400 that
+    answer (penalties, tools, a JSON response_format, echo), they get a 400 that
     names them, never a silently different answer. Others that only concern OpenAI's service (`user`, `store`,
     `metadata`, `service_tier`, ...) are ignored. `prediction` drafts (Speculation)."""
 
@@ -196,16 +224,12 @@ class OpenAIOptions(Lenient):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 (not supported)")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 (not supported)")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
-        None, description="only {} (not supported)")
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for the first parameter whose value codespec cannot honour, else None."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 return name, f"{name} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         return None
 
     @property
@@ -309,6 +333,11 @@ class SpeculationStats(BaseModel):
     drafters: list[dict[str, Any]]
 
 
+class LogitBias(BaseModel):
+    token: int
+    bias: float | None = Field(description="null: never (false, -inf)")
+
+
 class LlamaParams(BaseModel):
     """A generation's settings in llama-server's names (generation_settings, /props, /slots' params): only those
     codespec samples with, and its drafter chain."""
@@ -329,6 +358,7 @@ class LlamaParams(BaseModel):
     speculative_n_min: int = Field(alias="speculative.n_min")
     speculative_p_min: float = Field(alias="speculative.p_min")
     spec: list[str] = Field(description="codespec's drafter chain")
+    logit_bias: list[LogitBias] = Field(default_factory=list)
 
 
 class GenerationSettings(LlamaParams):
@@ -439,7 +469,8 @@ class ModelList(BaseModel):
 
 
 class Slot(BaseModel):
-    id: str = Field(description="the session's name ('slot-N' or a named session; llama-server's is the slot index)")
+    id: int = Field(description="its place in this list (llama-server's slot index)")
+    session: str = Field(description="the session's name ('slot-N' for id_slot N, or a named session)")
     busy: bool
     tokens: int
     cached: int

@@ -79,7 +79,7 @@ def generated_tokens(client) -> float:
 
 
 def slot(client, name: str) -> dict:
-    return {s["id"]: s for s in client.get("/slots").json()}[name]
+    return {s["session"]: s for s in client.get("/slots").json()}[name]
 
 
 def fim_local_after(lines: list[str], pos_y: int, prev: list[str], indent: int) -> tuple[str, str, str, int]:

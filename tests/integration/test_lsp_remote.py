@@ -138,12 +138,12 @@ async def test_a_block_completion_comes_from_the_server_and_the_document_keeps_i
     assert lines[0].strip(), item.insert_text  # code on the cursor's line
     assert all(indent_of(line) >= 4 for line in lines[1:] if line.strip()), item.insert_text  # inside variance()
 
-    sessions = [slot["id"] for slot in http_server.get("/slots").json() if slot["id"].startswith("lsp-")]
+    sessions = [slot["session"] for slot in http_server.get("/slots").json() if slot["session"].startswith("lsp-")]
     assert len(sessions) == 1, sessions  # the document's own named session, not a shared slot
     await client.text_document_inline_completion_async(inline(16, 4))  # the next keystroke's request
     assert client.stats[-1]["kind"] == "completion"
     assert client.stats[-1]["cached_tokens"] >= client.stats[-1]["prompt_tokens"] - 8  # its KV cache was reused
-    assert [slot["id"] for slot in http_server.get("/slots").json() if slot["id"].startswith("lsp-")] == sessions
+    assert [slot["session"] for slot in http_server.get("/slots").json() if slot["session"].startswith("lsp-")] == sessions
 
 
 async def test_a_rewrite_comes_back_as_an_edit_that_is_plain_greedy(client: LanguageClient, default_engine):

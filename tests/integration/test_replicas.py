@@ -92,7 +92,7 @@ def test_sessions_stay_on_their_replica_across_20_requests(service):
     for session, rows in served.items():
         assert len({replica for replica, _ in rows}) == 1, (session, rows)  # affinity: 5 of 5 on one replica
         assert rows[0][1] == 0 and all(cached > 0 for _, cached in rows[1:]), (session, rows)  # its cache reused
-    holders = {row["id"]: row["replica"] for row in client.get("/slots").json()}
+    holders = {row["session"]: row["replica"] for row in client.get("/slots").json()}
     assert {session: holders[session] for session in SESSIONS} == {s: rows[0][0] for s, rows in served.items()}
 
     metrics = client.get("/metrics").text

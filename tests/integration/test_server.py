@@ -109,14 +109,14 @@ def test_a_long_generation_does_not_block_a_short_one_and_a_disconnect_frees_it(
         next(line for line in lines if line.startswith("data: "))
         short = server.post("/infill", json={"input_prefix": "x = 1\ny = ", "n_predict": 4, "session": "short"})
         assert short.status_code == 200 and short.json()["tokens_predicted"] >= 1
-        slots = {s["id"]: s for s in server.get("/slots").json()}
+        slots = {s["session"]: s for s in server.get("/slots").json()}
         assert slots["long"]["busy"], "the short request waited for the long one to finish"
     deadline = time.monotonic() + 60
-    while {s["id"]: s for s in server.get("/slots").json()}["long"]["busy"]:
+    while {s["session"]: s for s in server.get("/slots").json()}["long"]["busy"]:
         assert time.monotonic() < deadline, "the disconnected generation kept running"
         time.sleep(0.1)
     assert metric(server, "codespec_cancelled_total") >= 1
-    assert {s["id"]: s for s in server.get("/slots").json()}["long"]["tokens"] < 2000
+    assert {s["session"]: s for s in server.get("/slots").json()}["long"]["tokens"] < 2000
 
 
 def test_bad_input_never_takes_it_down(server):

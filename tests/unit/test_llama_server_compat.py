@@ -169,7 +169,7 @@ def test_x_api_key_is_taken_as_bearer_is(engine):
         # a key is one tenant whichever header carries it
         client.post("/infill", json={"input_prefix": PREFIX, "n_predict": 0, "session": "notes"},
                     headers={"x-api-key": "alice-key"})
-        sessions = lambda headers: {s["id"] for s in client.get("/slots", headers=headers).json()}  # noqa: E731
+        sessions = lambda headers: {s["session"] for s in client.get("/slots", headers=headers).json()}  # noqa: E731
         assert "notes" in sessions({"authorization": "Bearer alice-key"})
         assert "notes" not in sessions({"x-api-key": "bob-key"})
 
@@ -326,12 +326,14 @@ def test_slots_and_metrics_in_llama_servers_names(engine, slow_server):
         done.set()
 
     threading.Thread(target=stream, daemon=True).start()
-    slot = lambda name: {s["id"]: s for s in client.get("/slots").json()}.get(name)  # noqa: E731
+    slot = lambda name: {s["session"]: s for s in client.get("/slots").json()}.get(name)  # noqa: E731
     wait_until(lambda: (slot("busy") or {}).get("is_processing"))
     running = metrics(client)
     assert not done.is_set(), "the generation ended before it was seen running"
     assert running["llamacpp:requests_processing"] == 1 and running["llamacpp:requests_deferred"] == 0
     busy, plain = slot("busy"), slot("plain")
+    listed = client.get("/slots").json()
+    assert [s["id"] for s in listed] == list(range(len(listed)))  # llama-server's slot indexes: integers
     assert busy["busy"] and busy["n_ctx"] == engine.context_length and busy["speculative"]
     assert busy["params"]["spec"] == ["prompt-lookup"] and busy["params"]["speculative.n_max"] == engine.spec.draft_max
     assert not plain["is_processing"] and not plain["speculative"] and plain["params"]["spec"] == ["none"]

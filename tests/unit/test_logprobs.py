@@ -54,11 +54,31 @@ def test_chat_and_llama_cpp_shapes(server):
         "id", "token", "logprob", "bytes", "top_logprobs"}
     for entry in probabilities:  # greedy: each token the likeliest, its log-probability the top one's
         assert entry["top_logprobs"][0]["id"] == entry["id"] and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
-    with server.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                                                        "logprobs": 1, "stream": True}) as response:
-        events = sse_events(response)[:-1]
-    last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
-    assert len(last["choices"][0]["logprobs"]["tokens"]) == 12  # a stream's last chunk carries them all
+
+
+
+def test_streams_carry_each_chunks_logprobs(server):
+    """Each chunk (event) carries the log-probabilities of the tokens since the one before; together, the whole
+    answer's, in every dialect."""
+    def streamed(path: str, body: dict) -> list[dict]:
+        with server.stream("POST", path, json=body | {"stream": True, "temperature": 0}) as response:
+            return [event for event in sse_events(response) if event != "[DONE]"]
+
+    whole = completion(server, logprobs=1, max_tokens=24)["choices"][0]["logprobs"]
+    chunks = [e["choices"][0]["logprobs"] for e in streamed("/v1/completions", {"prompt": PROMPT, "max_tokens": 24,
+                                                                                "logprobs": 1})]
+    assert sum(bool(chunk["tokens"]) for chunk in chunks) > 2, "the log-probabilities came in one chunk"
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [value for chunk in chunks for value in chunk[key]] == whole[key], key
+    messages = [{"role": "user", "content": "count"}]
+    chat = server.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 16, "temperature": 0,
+                                                     "logprobs": True}).json()["choices"][0]["logprobs"]["content"]
+    parts = [e["choices"][0]["logprobs"]["content"] for e in streamed("/v1/chat/completions", {
+        "messages": messages, "max_tokens": 16, "logprobs": True}) if e["choices"]]
+    assert [entry for part in parts for entry in part] == chat and sum(bool(part) for part in parts) > 2
+    llama = server.post("/completion", json={"prompt": PROMPT, "n_predict": 16, "temperature": 0, "n_probs": 2}).json()
+    events = streamed("/completion", {"prompt": PROMPT, "n_predict": 16, "n_probs": 2})
+    assert [entry for e in events for entry in e["completion_probabilities"]] == llama["completion_probabilities"]
 
 
 def test_top_logprobs_without_logprobs_is_a_400(server):

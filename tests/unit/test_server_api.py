@@ -140,7 +140,7 @@ def test_warm_only_then_session_reuse(server):
     assert warm["tokens_predicted"] == 0 and warm["content"] == "" and warm["session"] == "doc"
     body = server.post("/infill", json={"input_prefix": PREFIX + "result", "n_predict": 8, "session": "doc"}).json()
     assert body["tokens_cached"] >= warm["tokens_evaluated"] - 2  # all but the last token or two of the prefix
-    slots = {s["id"]: s for s in server.get("/slots").json()}
+    slots = {s["session"]: s for s in server.get("/slots").json()}
     assert slots["doc"]["tokens"] >= body["tokens_evaluated"] and not slots["doc"]["busy"]
     assert slots["doc"]["cache_bytes"] > 0 and slots["doc"]["drafters"]
 
@@ -201,7 +201,7 @@ def test_disconnect_cancels_a_running_stream_and_frees_the_slot(server):
     gate.set()
     wait_until(lambda: app.state.scheduler.active == 0)
     assert metric(server, 'codespec_generated_tokens_total') < 400
-    assert not {s["id"]: s for s in server.get("/slots").json()}["gone"]["busy"]
+    assert not {s["session"]: s for s in server.get("/slots").json()}["gone"]["busy"]
     assert server.post("/v1/completions", json={"prompt": "import os\n", "max_tokens": 4,
                                                 "session": "gone"}).status_code == 200
 

@@ -55,7 +55,7 @@ def test_zero_only_warms_the_cache_on_every_route(server, path, body, limit):
     text = answer.get("content", answer.get("choices", [{}])[0].get("text",
                       answer.get("choices", [{}])[0].get("message", {}).get("content")))
     assert text == ""
-    slot = {s["id"]: s for s in server.get("/slots").json()}[session["session"]]
+    slot = {s["session"]: s for s in server.get("/slots").json()}[session["session"]]
     assert slot["cached"] >= slot["tokens"] - 1 > 0  # the prompt is in the cache, all but its last token
     selected = body | limit | session | {"response_fields": [""], "stream": True}
     if path.startswith("/v1/"):  # an OpenAI client reads a stream: its last chunk, then [DONE]
@@ -147,7 +147,7 @@ def slow_server(engine, monkeypatch):
 
 
 def slot(client, name):
-    return {s["id"]: s for s in client.get("/slots").json()}.get(name)
+    return {s["session"]: s for s in client.get("/slots").json()}.get(name)
 
 
 def start_warm_up(client, body) -> tuple[threading.Thread, dict]:
@@ -263,7 +263,7 @@ def test_unknown_model_is_openais_404(server, path, body):
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),  # (without logprobs: true)
     ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"frequency_penalty": -1.0}, "frequency_penalty"),
-    ("/v1/chat/completions", {"logit_bias": {"42": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"4200000": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),

@@ -67,10 +67,10 @@ async def slots(request: Request, server: Server):
 
     def read(engine):
         busy = scheduler.busy_sessions()
-        return [{"id": info.id.removeprefix(namespace), "busy": info.id in busy, "tokens": info.tokens,
-                 "cached": info.cached, "cache_bytes": info.cache_bytes, "spec": list(info.spec),
+        return [{"id": index, "session": info.id.removeprefix(namespace), "busy": info.id in busy,
+                 "tokens": info.tokens, "cached": info.cached, "cache_bytes": info.cache_bytes, "spec": list(info.spec),
                  "drafters": [stats.to_dict() for stats in info.drafters], **llama_slot(info, info.id in busy)}
-                for info in engine.sessions_info(namespace)]
+                for index, info in enumerate(engine.sessions_info(namespace))]
 
     def llama_slot(info, busy: bool) -> dict:  # llama-server's fields
         return {"n_ctx": server.engine.context_length, "is_processing": busy,

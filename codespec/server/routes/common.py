@@ -164,6 +164,22 @@ async def stream_events(generations: Generations, run: Generation, piece: Callab
         yield sse("[DONE]")
 
 
+class Unsent:
+    """A stream's log-probabilities not sent yet, per alternative index: each chunk carries those of the tokens
+    generated since the one before (an entry can come a chunk ahead of its text, which a stop string holds back
+    until it is sure), and the last chunk the rest, so that a stream's chunks together carry the whole answer's."""
+
+    def __init__(self):
+        self.sent: dict[int, int] = {}  # index -> entries sent
+        self.chars: dict[int, int] = {}  # index -> characters their tokens spell (OpenAI's text_offset)
+
+    def take(self, index: int, run: Generation) -> list:
+        entries = run.token_logprobs
+        start = self.sent.get(index, 0)
+        self.sent[index] = max(start, len(entries))
+        return entries[start:]
+
+
 async def merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
     """The events of several streams (alternatives of one request) as they come; when the client goes, every
     stream is closed (and so every job cancelled)."""

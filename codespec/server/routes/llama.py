@@ -13,7 +13,7 @@ from ..generation import Generation
 from ..llamacpp import generated_ids, logprob_entries, run_settings
 from ..schemas import InfillRequest, InfillResponse, LlamaCompletionRequest, SelectedFields
 from ..state import Server, ServerState
-from .common import (answer, event_stream, finish_all, merged, prompt_ids, select_fields, start_all,
+from .common import (Unsent, answer, event_stream, finish_all, merged, prompt_ids, select_fields, start_all,
                      stream_events, streamed)
 
 router = APIRouter()
@@ -43,17 +43,23 @@ async def llama_answer(server: ServerState, runs: list[Generation], body, reques
     """/infill's and /completion's answer: streamed as {"content": piece} events, or whole; a warm-up is never
     a stream (llama.vim reads its answer as JSON). With n_cmpl alternatives, as llama-server: a whole answer is a
     list of them, each with its `index`, and each streamed event has its alternative's `index`."""
+    unsent = Unsent()
+
+    def probabilities(entries: list) -> dict:
+        return {"completion_probabilities": logprob_entries(server.engine.tokenizer, entries)} if body.n_probs else {}
+
     def whole(index: int, run: Generation) -> dict:
-        probabilities = ({"completion_probabilities": logprob_entries(server.engine.tokenizer, run.token_logprobs)}
-                         if body.n_probs else {})
-        return {**infill_body(server, run), **llama_fields(server, run, body), "index": index, **probabilities}
+        return {**infill_body(server, run), **llama_fields(server, run, body), "index": index,
+                **probabilities(run.token_logprobs)}
 
     groups = server.generations.runs_of(runs)
-    if body.stream and not runs[0].plan.warm_only:
+    if body.stream and not runs[0].plan.warm_only:  # (n_probs: each event has its tokens' probabilities)
         def events(run: Generation, indexes: list[int]):
             return stream_events(server.generations, run,
-                                 lambda delta: [{"content": delta, "stop": False, "index": i} for i in indexes],
-                                 lambda: [{**whole(i, run), "content": ""} for i in indexes], done=False)
+                                 lambda delta: [{"content": delta, "stop": False, "index": i,
+                                                 **probabilities(unsent.take(i, run))} for i in indexes],
+                                 lambda: [{**whole(i, run), "content": "", **probabilities(unsent.take(i, run))}
+                                          for i in indexes], done=False)
         streams = [events(run, indexes) for run, indexes in groups]
         return event_stream(streams[0] if len(streams) == 1 else merged(streams))
     stopped = await finish_all(server.generations, request, runs)

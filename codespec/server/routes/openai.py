@@ -18,7 +18,8 @@ from ..generation import Generation
 from ..llamacpp import BUILD_INFO, completion_logprobs, logprob_entries
 from ..schemas import ChatRequest, ChatResponse, CompletionRequest, CompletionResponse, OpenAIOptions
 from ..state import Server, ServerState
-from .common import answer, event_stream, finish_all, merged, prompt_ids, sse, start_all, stream_events, streamed
+from .common import (Unsent, answer, event_stream, finish_all, merged, prompt_ids, sse, start_all, stream_events,
+                     streamed)
 
 router = APIRouter()
 
@@ -92,11 +93,20 @@ async def completions(body: CompletionRequest, request: Request, server: Server)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name,
             "system_fingerprint": BUILD_INFO}
 
+    unsent = Unsent()
+
+    def logprobs(index: int, run: Generation, whole: bool) -> dict | None:
+        if body.logprob_count() < 0:
+            return None
+        if whole:
+            return completion_logprobs(server.engine.tokenizer, run.token_logprobs)
+        chunk = completion_logprobs(server.engine.tokenizer, unsent.take(index, run), unsent.chars.get(index, 0))
+        unsent.chars[index] = unsent.chars.get(index, 0) + sum(len(token) for token in chunk["tokens"])
+        return chunk
+
     def choice(index: int, run: Generation, text: str | None = None, finish_reason=None) -> dict:
-        last = text is None or finish_reason is not None  # the whole answer, or a stream's last chunk
-        logprobs = (completion_logprobs(server.engine.tokenizer, run.token_logprobs)
-                    if last and body.logprob_count() >= 0 else None)
-        return {"text": run.text if text is None else text, "index": index, "logprobs": logprobs,
+        return {"text": run.text if text is None else text, "index": index,
+                "logprobs": logprobs(index, run, whole=text is None),
                 "finish_reason": run.finish_reason if text is None else finish_reason}
 
     return await respond(server, request, body, runs, head, "text_completion", choice,
@@ -125,17 +135,20 @@ async def chat(body: ChatRequest, request: Request, server: Server):
             "system_fingerprint": BUILD_INFO}
     started: set[int] = set()  # alternatives whose first delta went (it carries the role)
 
-    def logprobs(run: Generation) -> dict | None:
+    unsent = Unsent()
+
+    def logprobs(entries: list) -> dict | None:
         if body.logprob_count() < 0:
             return None
-        return {"content": logprob_entries(server.engine.tokenizer, run.token_logprobs, ids=False)}
+        return {"content": logprob_entries(server.engine.tokenizer, entries, ids=False)}
 
     def delta(index: int, text: str, finish_reason) -> dict:
         content = {"content": text} if index in started else {"role": "assistant", "content": text}
         started.add(index)
         return {"index": index, "delta": content, "finish_reason": finish_reason,
-                **({"logprobs": logprobs(runs[index])} if finish_reason is not None else {})}
+                "logprobs": logprobs(unsent.take(index, runs[index]))}
 
     return await respond(server, request, body, runs, head, "chat.completion",
                          lambda index, run: {"index": index, "message": {"role": "assistant", "content": run.text},
-                                             "logprobs": logprobs(run), "finish_reason": run.finish_reason}, delta)
+                                             "logprobs": logprobs(run.token_logprobs),
+                                             "finish_reason": run.finish_reason}, delta)
