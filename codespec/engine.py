@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .adaptive import Adaptive, CostModel, DraftingCosts, cached_costs, pinned_costs
-from .config import SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
+from .config import MODEL_DRAFTERS, SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import decode_steps, drive, next_output, prefill_rows
 from .drafters import warm as warm_drafters, SharedDrafting, build_chain
 from .drafters.taught import TaughtDocuments
@@ -344,10 +344,12 @@ class Engine:
         stats = GenerationStats()
         constraint = Constraint(self.vocabulary, healed) if healed else None
         text = TextAssembler(self.tokenizer, params.stop, self.vocabulary.text(healed) if healed else "")
-        # Seeded sampling must repeat exactly, and the random stream it consumes depends on how many draft
-        # tokens each step verifies: so draft lengths may not depend on timing there. (Greedy output never
-        # depends on them.)
-        adaptive = spec.adaptive and (params.temperature == 0 or params.seed is None)
+        # Seeded sampling must repeat exactly. An n-gram draft is checked by sampling each position in turn, one
+        # draw per output token whatever the draft (sampling.verify_sampled_exact): the text is plain sampling's.
+        # A draft model's rejection sampling draws by its draft's length: with one in the chain, draft lengths may
+        # not depend on timing. (Greedy output never depends on them.)
+        adaptive = spec.adaptive and (params.temperature == 0 or params.seed is None
+                                      or not any(name in MODEL_DRAFTERS for name in spec.spec))
         if adaptive and session.adaptive is None:
             session.adaptive = Adaptive(self.costs, self.drafting)
         steps = decode_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,

@@ -8,19 +8,27 @@ from .config import SamplingParams
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, as transformers applies them. logits: [n, vocab] -> probs."""
+    """Temperature, then top-k, then top-p, as transformers applies them. logits: [n, vocab] -> probs.
+
+    Only the most likely tokens are sorted: the top k, or for top-p alone as many as cover top_p in every row (64,
+    then 4x more until they do; sorting a 49,152-token row took 1.6 ms on a CPU)."""
     logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    vocab = logits.shape[-1]
+    top_k = 0 < params.top_k < vocab
+    if not top_k and params.top_p >= 1.0:
+        return logits.softmax(-1)
+    full = None if top_k else logits.softmax(-1)  # top-p alone reads the whole distribution
+    count = params.top_k if top_k else min(64, vocab)
+    while True:
+        values, order = torch.topk(logits, count, dim=-1)  # [n, count], most likely first
+        ranked = values.softmax(-1) if full is None else full.gather(-1, order)
+        if full is None or count == vocab or bool((ranked.sum(-1) >= params.top_p).all()):
+            break
+        count = min(count * 4, vocab)
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already cover top_p
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+        # drop a token when the tokens ranked above it already cover top_p (every token past `count` is dropped)
+        values = values.masked_fill(ranked.cumsum(-1) - ranked >= params.top_p, float("-inf"))
+    return torch.zeros_like(logits).scatter_(-1, order, values.softmax(-1))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -145,7 +145,8 @@ def run(args) -> int:
     if args.alternatives:
         from .alternatives import CASES, fim_bodies, format_alternatives, run_alternatives
 
-        with tqdm(total=len(fim_bodies()) * len(CASES) * 2 * repeats, desc="alternatives", unit="run") as progress:
+        runs = sum(4 if temperature else 2 for temperature, _ in CASES) * len(fim_bodies()) * repeats
+        with tqdm(total=runs, desc="alternatives", unit="run") as progress:
             rows = run_alternatives(engine, repeats, progress=progress)
         print(format_alternatives(rows))
         (out / "alternatives.json").write_text(json.dumps({"alternatives": rows}, indent=2))

@@ -387,6 +387,30 @@ def test_greedy_output_does_not_depend_on_the_draft_lengths_timing_picks(engine,
     assert len(set(lengths)) > 3  # many different lengths were really verified
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_seeded_sampling_writes_plain_samplings_text_whatever_the_draft_lengths(engine, monkeypatch, seed):
+    """An n-gram draft is checked by sampling each position in turn, one draw per output token: a seed gives plain
+    sampling's text token for token however many draft tokens each step verifies, so seeded sampling keeps the
+    adaptive lengths (here random at every step, as the most erratic timing could make them)."""
+    import codespec.decode
+
+    rng = np.random.default_rng(seed)
+    prompt = list(rng.integers(1, 300, 20)) * 3
+    params = SamplingParams(max_tokens=60, temperature=0.7, seed=seed)
+    plain = engine.generate(prompt, params, spec=SpecConfig(spec=("none",)))
+    lengths = []
+
+    def erratic(costs, proposals, rows, generating, **batch):
+        lengths.extend(int(rng.integers(0, available + 1)) for _, available, _ in proposals)
+        return lengths[-len(proposals):]
+
+    monkeypatch.setattr(codespec.decode, "allocate", erratic)
+    for chain in (("prompt-lookup",), ("ngram-mod", "prompt-lookup")):
+        result = engine.generate(prompt, params, spec=SpecConfig(spec=chain, ngram_min=1))
+        assert result.tokens == plain.tokens, chain
+    assert len(set(lengths)) > 3  # adaptive lengths chose them: many different lengths were really verified
+
+
 def test_the_hosts_own_work_per_step_is_priced_so_a_draft_that_saves_a_step_saves_it_too():
     """One more row costs 20% of a forward: at alpha 0.15 verifying does not pay for the forward alone (1.15
     tokens for 1.2x the time), but with a step's host work as large as its forward it does (1.15 for 2.2 against 1

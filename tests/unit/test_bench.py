@@ -100,3 +100,18 @@ def test_the_never_slower_lane_pairs_runs_per_length_and_reports_spreads(tokeniz
     assert again["plain_again"] > 0
     shown = never_slower.format_lane({**data, "results": [{**data["results"][0], "recheck": again}]})
     assert f"rechecked: {again['median']:.3f}x over {again['runs']} rounds" in shown
+
+
+def test_the_alternatives_bench_times_n_cmpl_3_against_one_and_each_alternative_alone(engine):
+    from codespec.bench.alternatives import CASES, fim_bodies, format_alternatives, run_alternatives
+
+    rows = run_alternatives(engine, repeats=1)
+    assert [(r["temperature"], r["prompt_cached"]) for r in rows] == CASES * len(fim_bodies())
+    for r in rows:
+        sampled = r["temperature"] > 0
+        assert len(r["tokens_alone"]) == (3 if sampled else 1) and r["tokens_alone"][0] == r["tokens_1"]
+        assert r["seconds_longest_alone"] >= r["seconds_1"] > 0
+        assert abs(r["ratio_vs_longest"] - r["seconds_3"] / r["seconds_longest_alone"]) < 0.01
+        if not sampled:  # greedy alternatives are one text, three times
+            assert r["tokens_3"] == 3 * r["tokens_1"]
+    assert "3 / longest" in format_alternatives(rows)
