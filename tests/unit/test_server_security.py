@@ -116,8 +116,8 @@ def test_each_key_has_its_own_sessions(serve):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "a key's own history is still reused"
     named = client.post("/infill", json={"input_prefix": PROMPT, "n_predict": 0, "session": "notes"}, headers=alice)
     assert named.json()["session"] == "notes"
-    assert {s["id"] for s in client.get("/slots", headers=bob).json()} == {"slot-0"}
-    assert {s["id"] for s in client.get("/slots", headers=alice).json()} == {"slot-0", "notes"}
+    assert {s["session"] for s in client.get("/slots", headers=bob).json()} == {"slot-0"}
+    assert {s["session"] for s in client.get("/slots", headers=alice).json()} == {"slot-0", "notes"}
     bobs_try = client.post("/infill", json={"input_prefix": PROMPT, "n_predict": 1, "session": "notes"},
                            headers=bob).json()
     assert bobs_try["tokens_cached"] == 0
