@@ -48,9 +48,10 @@ async def llama_answer(server: ServerState, runs: list[Generation], body, reques
     def probabilities(entries: list) -> dict:
         return {"completion_probabilities": logprob_entries(server.engine.tokenizer, entries)} if body.n_probs else {}
 
-    def whole(index: int, run: Generation) -> dict:
+    def whole(index: int, run: Generation, entries: list | None = None) -> dict:
+        """entries: the log-probabilities it carries (None: all of the run's)."""
         return {**infill_body(server, run), **llama_fields(server, run, body), "index": index,
-                **probabilities(run.token_logprobs)}
+                **probabilities(run.token_logprobs if entries is None else entries)}
 
     groups = server.generations.runs_of(runs)
     if body.stream and not runs[0].plan.warm_only:  # (n_probs: each event has its tokens' probabilities)
@@ -58,8 +59,8 @@ async def llama_answer(server: ServerState, runs: list[Generation], body, reques
             return stream_events(server.generations, run,
                                  lambda delta: [{"content": delta, "stop": False, "index": i,
                                                  **probabilities(unsent.take(i, run))} for i in indexes],
-                                 lambda: [{**whole(i, run), "content": "", **probabilities(unsent.take(i, run))}
-                                          for i in indexes], done=False)
+                                 lambda: [{**whole(i, run, unsent.take(i, run)), "content": ""} for i in indexes],
+                                 done=False)
         streams = [events(run, indexes) for run, indexes in groups]
         return event_stream(streams[0] if len(streams) == 1 else merged(streams))
     stopped = await finish_all(server.generations, request, runs)
