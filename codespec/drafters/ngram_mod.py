@@ -16,6 +16,13 @@ below `reset_acceptance` — stale statistics cost verification time, and an emp
 
 Hashing, learning, forgetting and drafting run in numba (one call each, no per-token Python): at a 3 ms forward,
 the per-token loops of a step's learning cost as much as a marginal draft token gains.
+
+A session learns what its history added when it is next asked to draft (and in begin()): the pool then holds, at
+every draft, all that eager learning after each step would have put there, and while adaptive speculation holds
+the drafter back (its drafts do not pay for its calls: adaptive.pays_to_call) it learns nothing until it is asked
+again, then all it missed in one call. Learning is most of its cost a step (~20 us of ~30, right after a forward
+whose traffic left the host's caches cold), so holding it back saves it. Other sessions see a session's tokens
+after its next draft: one step later, or the steps between two probes while it is held back.
 """
 
 from __future__ import annotations
@@ -30,36 +37,30 @@ EMPTY = -1
 
 
 @numba.njit(cache=True)
-def _window_hashes(tokens, n, top_power):
-    """Hash of every full n-token window of `tokens` (uint64 arithmetic, wrapping as the LCG does): [len - n + 1]."""
-    windows = len(tokens) - n + 1
-    hashes = np.zeros(max(windows, 0), dtype=np.uint64)
-    if windows <= 0:
-        return hashes
-    h = np.uint64(0)
-    for i in range(n):
-        h = h * np.uint64(MULTIPLIER) + np.uint64(tokens[i])
-    hashes[0] = h
-    for i in range(1, windows):
-        h = (h - np.uint64(tokens[i - 1]) * top_power) * np.uint64(MULTIPLIER) + np.uint64(tokens[i + n - 1])
-        hashes[i] = h
-    return hashes
-
-
-@numba.njit(cache=True)
-def _insert(values, counts, slots, new_values):
-    """Write each (slot, value): a slot holding the value counts one more, another is overwritten with count 1.
-    Returns how many empty slots were filled."""
+def _learn(values, counts, tokens, first, n, top_power):
+    """Write "window -> next token" for every position p >= first of `tokens` (first >= n): a slot holding the
+    token counts one more, another is overwritten with count 1. One call per step: hashing and writing together.
+    Returns the slots and tokens written (one per position, for the undo log) and how many empty slots were filled."""
+    size = np.uint64(len(values))
+    slots = np.empty(len(tokens) - first, dtype=np.int64)
+    written = np.empty(len(tokens) - first, dtype=np.int32)
     filled = 0
-    for i in range(len(slots)):
-        slot, value = slots[i], new_values[i]
+    h = np.uint64(0)
+    for i in range(first - n, first):
+        h = h * np.uint64(MULTIPLIER) + np.uint64(tokens[i])
+    for p in range(first, len(tokens)):
+        if p > first:  # roll the window on by one: drop tokens[p - n - 1], take tokens[p - 1]
+            h = (h - np.uint64(tokens[p - n - 1]) * top_power) * np.uint64(MULTIPLIER) + np.uint64(tokens[p - 1])
+        slot = np.int64(h % size)
+        slots[p - first] = slot
+        value = written[p - first] = tokens[p]
         current = values[slot]
         if current == value:
             counts[slot] += 1
         else:
             filled += current == EMPTY
             values[slot], counts[slot] = value, 1
-    return filled
+    return slots, written, filled
 
 
 @numba.njit(cache=True)
@@ -119,19 +120,14 @@ class NgramPool:
     def occupancy(self) -> float:
         return self.occupied / self.size
 
-    def window_hashes(self, tokens: np.ndarray) -> np.ndarray:
-        """Hash of every full n-token window of `tokens`: [len - n + 1] uint64."""
-        return _window_hashes(np.asarray(tokens, dtype=np.int64), self.n, self.top_power)
-
     def insert(self, tokens: np.ndarray, start: int) -> tuple[int, np.ndarray, np.ndarray]:
         """Learn "window -> next token" for every position p >= max(start, n) of `tokens`. Returns the
         first position learned and the (slots, values) written, one per position, for an undo log."""
         first = max(start, self.n)
         if first >= len(tokens):
             return first, np.empty(0, np.int64), np.empty(0, np.int32)
-        slots = (self.window_hashes(tokens[first - self.n : len(tokens) - 1]) % np.uint64(self.size)).astype(np.int64)
-        values = tokens[first:].astype(np.int32)
-        self.occupied += _insert(self.values, self.counts, slots, values)
+        slots, values, filled = _learn(self.values, self.counts, tokens, first, self.n, self.top_power)
+        self.occupied += filled
         if self.occupancy > self.reset_occupancy:
             self.reset()
         return first, slots, values
@@ -183,12 +179,13 @@ class NgramMod(Drafter):
         self._learn(history)
 
     def draft(self, history: np.ndarray, max_tokens: int) -> Draft | None:
+        if self.learned < len(history):  # the steps since its last draft (one, or all it was held back for)
+            self._learn(history)
         tokens = self.pool.draft(history, max_tokens)
         return Draft(tokens) if tokens else None
 
     def accept(self, history: np.ndarray, drafted: int, accepted: int) -> None:
         self.pool.record_round(drafted, accepted)
-        self._learn(history)
 
     def truncate(self, new_len: int) -> None:
         self._sync_epoch()
