@@ -53,7 +53,12 @@ class CostModel:
         self.sizes, self.seconds, self.pinned = tuple(sizes), tuple(seconds), pinned
         # never cheaper for more tokens: a noisy small size takes the cheapest larger size's time
         monotone = np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[::-1])[::-1]
-        self.table = np.interp(np.arange(sizes[-1] + 1), sizes, monotone)  # [n] -> seconds, n = 0..last
+        # (Python lists: cost() runs dozens of times a step, and numpy's scalars are slow to index and add)
+        self.measured = np.interp(np.arange(sizes[-1] + 1), sizes, monotone).tolist()  # [n] -> seconds, n = 0..last
+        self.one = self.measured[1]  # a one-token forward's learnt seconds
+        self.ratio = [1.0] * len(self.measured)  # each size's learnt time over its measured one scaled by the load
+        self.ones = 0  # one-token forwards observed (every step runs them)
+        self.seen = [0] * len(self.measured)  # self.ones when each size was last observed
         self.key_seconds, self.row_key_seconds, self.context = key_seconds, row_key_seconds, context
         self.per_sequence = 0.0  # seconds each sequence past the first adds to a forward, learnt
 
@@ -65,11 +70,31 @@ class CostModel:
                    0.25 * self._rows(tokens)) + self.per_sequence * max(sequences - 1, 0)
 
     def _rows(self, tokens: int) -> float:
-        last = len(self.table) - 1
+        last = len(self.measured) - 1
         if tokens <= last:
-            return float(self.table[max(tokens, 1)])
-        slope = (self.table[last] - self.table[self.sizes[-2]]) / (last - self.sizes[-2])
-        return float(self.table[last] + slope * (tokens - last))
+            return self._learnt(max(tokens, 1))
+        slope = (self._learnt(last) - self._learnt(self.sizes[-2])) / (last - self.sizes[-2])
+        return self._learnt(last) + slope * (tokens - last)
+
+    RELAX = 0.05  # a size's learnt excess over its measured time (scaled by the load) fades by this share with each
+    # one-token forward since the size last ran
+
+    def _learnt(self, tokens: int) -> float:
+        """A size's running estimate: its measured time scaled by the load (how one-token forwards, which every step
+        runs, compare with theirs now), times what its own forwards taught beyond that. An excess fades with each
+        one-token forward since the size last ran: a burst of load that priced a size high is forgotten, even for a
+        size that price then kept from running (a bench run beside a test suite priced 2 rows at 19.5 ms against 4.7
+        for one, and no draft was verified again), while a size that really costs more learns it again each time
+        it runs, and one measured too dear (its forwards ran faster) keeps what they taught."""
+        if tokens == 1:
+            return self.one
+        ratio = self.ratio[tokens]
+        if ratio > 1.0:
+            ratio = 1.0 + (ratio - 1.0) * (1.0 - self.RELAX) ** (self.ones - self.seen[tokens])
+        return self.measured[tokens] * self._load() * ratio
+
+    def _load(self) -> float:
+        return self.one / self.measured[1] if self.measured[1] > 0 else 1.0
 
     def _attention(self, tokens: int, sequences: int, keys: int | None, row_keys: int | None) -> float:
         """What the caches add beyond the table's (one sequence over `context` keys)."""
@@ -81,13 +106,20 @@ class CostModel:
                 row_keys: int | None = None) -> None:
         """A forward over one sequence moves its size's estimate (at the table's cache length); over several, what
         each sequence past the first added beyond the table's time for the tokens and the caches."""
-        if not 1 <= tokens < len(self.table) or self.pinned:
+        if not 1 <= tokens < len(self.measured) or self.pinned:
             return
         seconds -= self._attention(tokens, sequences, keys, row_keys)
-        if sequences <= 1:
-            self.table[tokens] += self.LEARN * (seconds - self.table[tokens])
+        if sequences <= 1:  # (a forward past OUTLIER times its estimate moves it as if it had taken that many)
+            estimate = self._learnt(tokens)
+            estimate += self.LEARN * (min(seconds, DraftingCosts.OUTLIER * estimate) - estimate)
+            if tokens == 1:
+                self.one = estimate
+                self.ones += 1
+            elif self.measured[tokens] > 0:
+                self.ratio[tokens] = estimate / (self.measured[tokens] * self._load())
+                self.seen[tokens] = self.ones
         else:
-            each = max(seconds - self.table[tokens], 0.0) / (sequences - 1)
+            each = max(seconds - self._rows(tokens), 0.0) / (sequences - 1)
             self.per_sequence += self.LEARN * (each - self.per_sequence)
 
     def relative(self, tokens: int) -> float:

@@ -40,6 +40,13 @@ CMAKE_FLAGS = [
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # and no download of a prebuilt one (offline builds)
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
 ]
+# --cpu avx2: the build an AVX2-only CPU (most laptops, AMD before Zen 4) runs, on any x86 host, for the side-by-side
+# against `CODESPEC_CPU=avx2` (docs/benchmarks.md): ggml's x86 paths picked by hand instead of -march=native
+AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+              "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+              "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+              "-DGGML_AMX_BF16=OFF"]
+CPUS = {"native": [], "avx2": AVX2_FLAGS}
 
 
 def _say(msg: str) -> None:
@@ -93,16 +100,18 @@ def unpack(sdist: Path, dest: Path) -> Path:
     return src
 
 
-def build(out: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None) -> Path:
+def build(out: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None, cpu: str = "native") -> Path:
+    """cpu: "native" (this machine's CPU, in build/) or "avx2" (AVX2 and nothing newer, in build-avx2/)."""
     out = out.expanduser().resolve()
     cmake, ninja = ensure_build_tools()
     src = unpack(download_sdist(out, version), out)
-    bdir = out / "build"
+    bdir = out / ("build" if cpu == "native" else f"build-{cpu}")
     jobs = jobs or os.cpu_count() or 1
     gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
     t0 = time.monotonic()
-    _say(f"configuring {src} (Release, CPU only) in {bdir}")
-    subprocess.run([cmake, "-S", str(src), "-B", str(bdir), *gen, *CMAKE_FLAGS], check=True)
+    _say(f"configuring {src} (Release, CPU only, {cpu}) in {bdir}")
+    flags = [flag for flag in CMAKE_FLAGS if not (CPUS[cpu] and flag.startswith("-DGGML_NATIVE"))] + CPUS[cpu]
+    subprocess.run([cmake, "-S", str(src), "-B", str(bdir), *gen, *flags], check=True)
     _say(f"building llama-server and llama-quantize with {jobs} jobs (takes a while on few cores)")
     subprocess.run([cmake, "--build", str(bdir), "--target", "llama-server", "llama-quantize", "-j", str(jobs)],
                    check=True)
@@ -125,10 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="work directory (sdist, sources, build/)")
     ap.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION, help="llama-cpp-python version (sdist)")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel jobs (default: all cores)")
+    ap.add_argument("--cpu", choices=sorted(CPUS), default="native",
+                    help="native: tuned for this CPU (build/); avx2: AVX2 and nothing newer, as an AVX2-only laptop "
+                         "runs it, whatever this CPU has (build-avx2/)")
     a = ap.parse_args(argv)
-    binary = build(a.out, a.version, a.jobs)
+    binary = build(a.out, a.version, a.jobs, a.cpu)
     print(binary)
-    _say(f"run: codespec bench --llama-server {binary}")
+    prefix = "CODESPEC_CPU=avx2 " if a.cpu == "avx2" else ""
+    _say(f"run: {prefix}codespec bench --llama-server {binary}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..cli.types import MODEL_FLAGS, bounded_int
@@ -204,7 +205,8 @@ def run(args) -> int:
             (out / "forward.json").write_text(json.dumps(forward, indent=2))
             return 0
     settings = {"device": engine.model.device, "dtype": str(engine.model.dtype).removeprefix("torch."),
-                "weights": "gguf" if engine.gguf else "checkpoint",
+                "weights": "gguf" if engine.gguf else "checkpoint", "forward_plan": str(engine.plan),
+                "codespec_cpu": os.environ.get("CODESPEC_CPU", "native"),
                 "max_tokens": max_tokens, "repeats": repeats, "turns": turns, "quick": quick}
     with peer if peer is not None else contextlib.nullcontext():  # llama-server processes stop on the way out
         if peer is not None:

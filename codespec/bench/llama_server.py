@@ -188,9 +188,18 @@ class LlamaServer:
         raise CodespecError(f"{self.setting.name} did not answer /health within {self.startup_timeout:.0f} s")
 
     def last_log_line(self) -> str:
-        self.log.flush()
-        lines = [line for line in Path(self.log.name).read_text(errors="replace").splitlines() if line.strip()]
+        lines = self.log_lines()
         return lines[-1] if lines else "(no output)"
+
+    def log_lines(self) -> list[str]:
+        self.log.flush()
+        return [line for line in Path(self.log.name).read_text(errors="replace").splitlines() if line.strip()]
+
+    def cpu_features(self) -> str:
+        """The instruction sets its CPU backend was built with, as its start-up `system_info` line lists them
+        (`CPU : SSE3 = 1 | ... | AVX2 = 1 | ...`): what an --cpu avx2 build really runs."""
+        line = next((line for line in self.log_lines() if "system_info" in line), "")
+        return line.split("CPU :", 1)[1].strip() if "CPU :" in line else "unknown"
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -287,6 +296,6 @@ class Peer:
             lines = []
         first = next(iter(self.servers.values()))
         return {"binary": str(self.binary), "version": lines[0] if lines else "unknown", "gguf": str(self.gguf),
-                "threads": first.threads,
+                "threads": first.threads, "cpu_features": first.cpu_features() if first.log is not None else "unknown",
                 "command": " ".join(server_command(self.binary, self.gguf, "PORT", first.threads, [])),
                 "settings": {name: server.setting.args for name, server in self.servers.items()}}

@@ -48,7 +48,7 @@ def prepare(folder: Path) -> None:
                  expected=x.astype(np.float64) @ reference.T)
         (folder / f"{kind.name}.ll").write_text(text)
         cases.append({"kind": "blocks", "name": kind.name, "functions": names})
-    text, names = attention_tiles.source(DIM, q8=False, most=attention_tiles.value_rows(False), depth_first=True)
+    text, names = attention_tiles.source(DIM, q8=None, most=attention_tiles.value_rows(False), depth_first=True)
     (folder / "attention.ll").write_text(text)
     count = 48  # keys, a multiple of 16
     q = rng.standard_normal((3, DIM)).astype(np.float32)

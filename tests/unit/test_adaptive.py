@@ -486,3 +486,20 @@ def test_a_drafter_that_never_matches_is_not_even_called_after_a_while_and_outpu
     assert tokens == plain
     assert drafter.calls <= 6 + 120 // Adaptive.CALL_PROBE and drafter.skipped_drafts >= 90, drafter
     assert 0 < adaptive.shared.host < 0.1  # each step's host work, measured: well under a (1 s) forward
+
+
+def test_a_burst_of_load_that_priced_a_size_high_is_forgotten_once_one_token_forwards_run_at_speed_again():
+    """Forwards over 2 rows timed during a burst of load (10x) raised their estimate, and a size priced that high is
+    never chosen again, so no forward of its own could bring it down: once one-token forwards (which every step
+    runs) are back at their measured speed, the size's price is back at its measured one too."""
+    costs = CostModel((1, 2, 4, 8), (0.004, 0.005, 0.0065, 0.009))
+    for _ in range(20):  # the burst: 2 rows take 50 ms
+        costs.observe(2, 0.05)
+    assert costs.cost(2) > 0.006  # during the burst the price rose (by OUTLIER times at most, each forward)
+    for _ in range(200):  # the burst is over: one-token forwards at their measured 4 ms
+        costs.observe(1, 0.004)
+    assert costs.cost(2) == pytest.approx(0.005, rel=0.01)
+    assert costs.cost(4) == pytest.approx(0.0065, rel=0.01)
+    for _ in range(200):  # the whole machine slower (another process on a core): every size scales with one row
+        costs.observe(1, 0.008)
+    assert costs.cost(2) == pytest.approx(0.010, rel=0.02) and costs.cost(8) == pytest.approx(0.018, rel=0.02)

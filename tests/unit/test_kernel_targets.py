@@ -17,11 +17,12 @@ AVX2_FORMS = [q8_tiles.Form(True), q8_tiles.Form(True, wide=True), q8_tiles.Form
 # every LLVM IR module codespec compiles, by its entry in the capability table
 MODULES = {
     "silu": lambda: layers.SILU_IR,
-    "cache attention": lambda: attention_tiles.source(64, q8=False)[0] + attention_tiles.source(  # and AVX2's
-        64, q8=False, most=attention_tiles.value_rows(False), depth_first=True)[0].removeprefix(
+    "cache attention": lambda: attention_tiles.source(64, q8=None)[0] + attention_tiles.source(  # and AVX2's
+        64, q8=None, most=attention_tiles.value_rows(False), depth_first=True)[0].removeprefix(
         attention_tiles.DECLARATIONS).replace("@scores", "@avx2_scores").replace("@values", "@avx2_values").replace(
         "@softmax", "@avx2_softmax"),
-    "q8 cache attention": lambda: attention_tiles.source(64, q8=True)[0],
+    "q8 cache attention": lambda: attention_tiles.source(64, q8="avx2", most=1, depth_first=True)[0],
+    "q8 cache attention, vnni": lambda: attention_tiles.source(64, q8="vnni")[0],
     "float block tiles": lambda: block_tiles.FMA_DECLARATION + "".join(  # every layout's
         block_tiles.source(kind, block_tiles.tile_rows(False))[0].split("\n", 1)[1] for kind in block_tiles.KINDS),
     "four-row block tiles": lambda: block_tiles.source("Q4_1", [4, 3])[0],
@@ -55,7 +56,7 @@ def test_every_ir_module_compiles_for_an_avx2_cpu_or_the_table_keeps_it_off(kern
 
 def test_the_avx512_tiles_compile_for_zen4_with_their_instructions():
     assert "vpdpbusd" in native.assembly(q8_tiles.source(q8_tiles.Form(True), "vnni")[0], AVX512)
-    assert "vpdpbusd" in native.assembly(attention_tiles.source(64, q8=True)[0], AVX512)
+    assert "vpdpbusd" in native.assembly(attention_tiles.source(64, q8="vnni")[0], AVX512)
     assembly = native.assembly(prompt_attention.source(64), AVX512)
     assert "vdpbf16ps" in assembly and "vscalef" not in assembly  # exp_ir's 2^n from exponent bits, anywhere
 
@@ -73,8 +74,18 @@ def test_asking_for_instructions_this_cpu_lacks_is_an_error_not_an_abort():
     assert prompt_attention.available() == capabilities.host_has("avx512bf16")
     assert attention_tiles.kernels(64).shape[1] == 2 + attention_tiles.value_rows()
     rows = attention_tiles.kernels(64).shape[0]
-    assert rows == (3 if capabilities.host_has("avx512vnni") else 2)  # the q8 cache's tiles only where they run
+    assert rows == (3 if capabilities.host_has("avx2") else 2)  # the q8 cache's tiles only where they run
+    assert attention_tiles.q8_instruction_set() == ("vnni" if capabilities.host_has("avx512vnni") else
+                                                    "avx2" if capabilities.host_has("avx2") else None)
     assert list(block_tiles.ROWS) == ([4, 3, 2, 1] if capabilities.host_has("avx512f") else [2, 1])
+
+
+def test_the_q8_cache_scores_for_avx2_form_their_integer_sums_in_vpmaddwd():
+    """The q8 cache's scores on AVX2: each key's bytes widened to 16 bits and multiplied in vpmaddwd (vpmaddubsw's
+    16-bit pairs would saturate on a key's unsigned bytes), never a 512-bit register."""
+    assembly = native.assembly(attention_tiles.source(64, q8="avx2", most=1, depth_first=True)[0], AVX2)
+    assert "vpmaddwd" in assembly and "vpmovzxbw" in assembly and no_512_bit_registers(assembly)
+    assert "vpmaddubsw" not in assembly and "vpdpbusd" not in assembly
 
 
 @pytest.mark.parametrize("form", AVX2_FORMS, ids=lambda form: form.name)

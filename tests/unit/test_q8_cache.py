@@ -1,11 +1,14 @@
 """--cache-type q8: each cached key and value (a head's numbers) rounded to 8-bit integers with one float32 scale, as
 llama.cpp's q8_0 cache types; attention.py scores them against queries rounded alike, in exact integer sums."""
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 import transformers
 
-from codespec.forward.kernels import attention
+from codespec.forward.kernels import attention, attention_tiles, capabilities, native
 from codespec.cli.options import build_parser, settings_from_args
 from codespec.forward.kernels import q8_tiles
 from codespec.errors import CodespecError
@@ -56,6 +59,46 @@ def test_keys_values_and_queries_are_rounded_to_8_bits_and_scored_in_exact_integ
         integers, scales = rounded(qk[:, :heads])
         expected = causal(integers * scales, keys, values, start)
         assert (out - expected).abs().max().item() < 1e-5
+
+
+def q8_rows(integers: np.ndarray, scales: np.ndarray, key: bool) -> np.ndarray:
+    """Rows as the tiles read them: a key's integers plus 128 (unsigned) then its float32 scale; a query row's
+    integers, its scale, then 128 x the sum of its integers (int32)."""
+    count, dim = integers.shape
+    rows = np.zeros((count, dim + (4 if key else 8)), dtype=np.int8)
+    rows[:, :dim] = (integers + 128).astype(np.uint8).view(np.int8) if key else integers
+    rows[:, dim : dim + 4] = scales.astype(np.float32).reshape(-1, 1).view(np.int8)
+    if not key:
+        rows[:, dim + 4 :] = (128 * integers.sum(1)).astype(np.int32).reshape(-1, 1).view(np.int8)
+    return rows
+
+
+@pytest.mark.needs_kernels("q8 cache attention")
+def test_the_q8_scores_are_exact_integer_sums_with_the_same_bits_in_every_instruction_set():
+    """The q8 cache's scores tile on AVX2 (vpmaddwd) and, where the CPU has it, on AVX512-VNNI (vpdpbusd): each
+    score is the exact integer sum of a key's and a row's integers times the key's and the row's scales, in float32,
+    bit for bit, extremes (+-127 against +-127 in every lane) included."""
+    dim, count, rows = 64, 48, 5
+    rng = np.random.default_rng(5)
+    keys, queries = rng.integers(-127, 128, (count, dim)), rng.integers(-127, 128, (rows, dim))
+    keys[0], keys[1], queries[0], queries[1] = 127, -127, 127, -127
+    key_scales, query_scales = rng.uniform(0.01, 2, count).astype(np.float32), rng.uniform(0.01, 2, rows).astype(np.float32)
+    k, q = q8_rows(keys, key_scales, True), q8_rows(queries, query_scales, False)
+    exact = (queries @ keys.T).astype(np.float32)  # (integers: exact in int64, then exactly representable)
+    expected = exact * (key_scales[None, :] * query_scales[:, None])
+    signature = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_int64)
+    ran = []
+    for isa, kernel in (("avx2", "q8 cache attention"), ("vnni", "q8 cache attention, vnni")):
+        if not capabilities.available(kernel):
+            continue
+        text, names = attention_tiles.source(dim, isa, most=1, depth_first=isa == "avx2")
+        scores = signature(int(native.compile_ir(text, names, kernel)[names.index("scores1")]))
+        out = np.zeros((rows, count), dtype=np.float32)
+        scores(q.ctypes.data, rows, k.ctypes.data, count, out.ctypes.data, count)
+        assert np.array_equal(out.view(np.int32), expected.view(np.int32)), isa
+        ran.append(isa)
+    assert ran[0] == "avx2" and len(ran) == 1 + capabilities.host_has("avx512vnni")
 
 
 @pytest.mark.needs_kernels("q8 cache attention")

@@ -16,7 +16,9 @@ multiplies. Here:
   over 900 cached keys, a forward of the default model on a 2-core AVX2 host: 50 -> 41 ms.
 - q8 caches (`--cache-type q8`): `scores` takes query rows rounded to 8 bits as well, and one vpdpbusd forms a
   key's 64 products with a row in 16 integer lanes (the same adding down after); `values` widens each row's
-  integers and multiplies them by its scale. 8 sessions x 2,000 keys, one row each: 14.8 -> 11.5 ms.
+  integers and multiplies them by its scale. 8 sessions x 2,000 keys, one row each: 14.8 -> 11.5 ms. AVX2 has no
+  vpdpbusd: there each 16 of a key's bytes are widened to 16 bits and multiplied in vpmaddwd, exact sums as well,
+  so an AVX2 CPU scores a q8 cache with a VNNI CPU's bits.
 
 Each (query row, key) is the same sequence of instructions whichever rows share the forward, and each row's
 weighted sum adds its values in position order: a row's attention does not depend on its batch (the caller pads
@@ -31,7 +33,7 @@ import functools
 import numpy as np
 
 from . import capabilities
-from .ir import EXP_DECLARATIONS, FMA, SOFTMAX_DECLARATIONS, VECTOR, add_down, running_sums, softmax_ir, stored_sums
+from .ir import EXP_DECLARATIONS, FMA, SOFTMAX_DECLARATIONS, VECTOR, add_down, lanes, running_sums, softmax_ir, stored_sums
 from .native import compile_ir
 
 DECLARATIONS = EXP_DECLARATIONS + SOFTMAX_DECLARATIONS  # (FMA's among them)
@@ -129,12 +131,17 @@ def scores_ir(dim: int, itemsize: int, depth_first: bool = False) -> str:
                    "  br i1 %bd, label %exit, label %block\nexit:\n  ret void\n}\n")
 
 
-def scores_q8_ir(dim: int) -> str:
+def scores_q8_ir(dim: int, avx2: bool = False) -> str:
     """@scores1(q, rows, k, count, out, width) for q8 caches: out[r * width + j] = (q[r] . k[j]) for query rows r
     rounded to 8 bits (q: per row dim int8, its float32 scale, then 128 x the sum of its integers as an int32) and
     keys j < count (a multiple of 16) of a q8 cache, stored plus 128 (unsigned, as vpdpbusd takes them) with their
     scale. One vpdpbusd forms 64 products of a key and a row in 16 integer lanes: the sums are exact, then
-    (sum - 128 sum(q)) x q's scale x the key's scale in float32. dim a multiple of 64."""
+    (sum - 128 sum(q)) x q's scale x the key's scale in float32. dim a multiple of 64.
+    avx2: the same sums on AVX2, which has no vpdpbusd: each 16 of a key's bytes widened to 16 bits (vpmovzxbw) and
+    multiplied with the row's (widened once a row) in vpmaddwd, pairs of products added into 8 integer lanes (at most
+    2 x 255 x 127: exact, where vpmaddubsw's 16-bit pairs would saturate); two such halves make a key's 16 lanes, each
+    key's added into the tree at once (depth first: AVX2's 16 registers). Integer sums are exact in any order, so
+    the scores have the VNNI tile's bits."""
     row, stride, chunks = dim + 8, dim + 4, dim // 64
     text = ("define void @scores1(ptr noalias %q, i64 %rows, ptr noalias %k, i64 %count, ptr noalias %out, "
             "i64 %width) {\nentry:\n  %blocks = udiv i64 %count, 16\n  %none = icmp eq i64 %blocks, 0\n"
@@ -152,24 +159,44 @@ def scores_q8_ir(dim: int) -> str:
     for c in range(chunks):
         text += (f"  %qcp{c} = getelementptr i8, ptr %qp, i64 {64 * c}\n"
                  f"  %qv{c} = load <64 x i8>, ptr %qcp{c}, align 1\n")
+        if avx2:
+            text += f"  %qw{c} = sext <64 x i8> %qv{c} to <64 x i16>\n" + "".join(
+                f"  %qw{c}_{part} = shufflevector <64 x i16> %qw{c}, <64 x i16> poison, <16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n"
+                for part in range(4))
     text += (f"  %qsp = getelementptr i8, ptr %qp, i64 {dim}\n  %qs = load float, ptr %qsp, align 1\n"
              f"  %qs.v = insertelement {VECTOR} poison, float %qs, i64 0\n"
              f"  %qs.s = shufflevector {VECTOR} %qs.v, {VECTOR} poison, <16 x i32> zeroinitializer\n"
              f"  %qcp = getelementptr i8, ptr %qp, i64 {dim + 4}\n  %qc = load i32, ptr %qcp, align 1\n"
              "  %qc.v = insertelement <16 x i32> poison, i32 %qc, i64 0\n"
              "  %qc.s = shufflevector <16 x i32> %qc.v, <16 x i32> poison, <16 x i32> zeroinitializer\n")
-    sums = []
+    sums, codes = [], []
     for key in range(16):
-        acc = "zeroinitializer"
+        acc, code = "zeroinitializer", ""
         for c in range(chunks):
             n = f"{key}_{c}"
-            text += (f"  %kp{n} = getelementptr i8, ptr %kbp, i64 {key * stride + 64 * c}\n"
-                     f"  %kv{n} = load <64 x i8>, ptr %kp{n}, align 1\n"
-                     f"  %d{n} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc}, <64 x i8> %kv{n}, "
-                     f"<64 x i8> %qv{c})\n")
+            code += (f"  %kp{n} = getelementptr i8, ptr %kbp, i64 {key * stride + 64 * c}\n"
+                     f"  %kv{n} = load <64 x i8>, ptr %kp{n}, align 1\n")
+            if avx2:
+                code += f"  %kw{n} = zext <64 x i8> %kv{n} to <64 x i16>\n"
+                for part in range(4):
+                    code += (f"  %kw{n}_{part} = shufflevector <64 x i16> %kw{n}, <64 x i16> poison, "
+                             f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n"
+                             f"  %m{n}_{part} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %kw{n}_{part}, "
+                             f"<16 x i16> %qw{c}_{part})\n")
+                code += (f"  %lo{n} = add <8 x i32> %m{n}_0, %m{n}_2\n  %hi{n} = add <8 x i32> %m{n}_1, %m{n}_3\n"
+                         f"  %e{n} = shufflevector <8 x i32> %lo{n}, <8 x i32> %hi{n}, <16 x i32> <{lanes(range(16))}>\n"
+                         f"  %d{n} = add <16 x i32> {acc}, %e{n}\n")
+            else:
+                code += (f"  %d{n} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc}, "
+                         f"<64 x i8> %kv{n}, <64 x i8> %qv{c})\n")
             acc = f"%d{n}"
         sums.append(acc)
-    reduce, total = add_down(sums, "<16 x i32>", "add", "t")
+        codes.append(code)
+    if avx2:  # each key's sums formed just before the tree takes them
+        reduce, total = add_down(sums, "<16 x i32>", "add", "t", codes=codes)
+    else:
+        text += "".join(codes)
+        reduce, total = add_down(sums, "<16 x i32>", "add", "t")
     text += reduce
     return text + (f"  %exact = sub <16 x i32> {total}, %qc.s\n  %sf = sitofp <16 x i32> %exact to {VECTOR}\n"
                    f"  %sc = fmul {VECTOR} {scales}, %qs.s\n  %sv = fmul {VECTOR} %sf, %sc\n"
@@ -209,29 +236,41 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
     return text + stored_sums(rows, chunks, dim, "%loop")
 
 
+def q8_instruction_set() -> str | None:
+    """The integer dot products the q8 cache's scores run in on this CPU: "vnni" (vpdpbusd) where present, else
+    "avx2" (vpmaddwd), or None (an ARM64 CPU: --cache-type q8 is refused with a line naming what is missing)."""
+    for isa, kernel in (("vnni", "q8 cache attention, vnni"), ("avx2", "q8 cache attention")):
+        if capabilities.available(kernel):
+            return isa
+    return None
+
+
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
     """The addresses of @scores, @softmax and @values_1..value_rows() for head size `dim`, compiled for this CPU:
     row 0 for float32 caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 on CPUs with
-    AVX512-VNNI row 2 for q8 ones (the softmax is the same in every row)."""
-    q8 = dim % 64 == 0 and capabilities.available("q8 cache attention")  # vpdpbusd, heads a multiple of 64
+    AVX2 or AVX512-VNNI row 2 for q8 ones (the softmax is the same in every row)."""
+    q8 = q8_instruction_set() if dim % 64 == 0 else None  # heads a multiple of 64
     wide = capabilities.host_has("avx512f")
     most = value_rows(wide)
     text, names = source(dim, q8, most, depth_first=not wide)
-    addresses = compile_ir(text, names, "q8 cache attention" if q8 else "cache attention")
+    kernel = {None: "cache attention", "avx2": "q8 cache attention", "vnni": "q8 cache attention, vnni"}[q8]
+    addresses = compile_ir(text, names, kernel)
     tiles = addresses[:-1].reshape(-1, 1 + most)
     return np.insert(tiles, 1, addresses[-1], axis=1)
 
 
-def source(dim: int, q8: bool, most: int = GROUP, depth_first: bool = False) -> tuple[str, list[str]]:
-    """The IR module of the tiles for head size `dim` (with the q8 cache's, which need AVX512-VNNI), their values
-    tiles for 1..`most` rows, their scores tiles' sums added down depth first or not (scores_ir), and the softmax
-    (last), and their names."""
+def source(dim: int, q8: str | None, most: int = GROUP, depth_first: bool = False) -> tuple[str, list[str]]:
+    """The IR module of the tiles for head size `dim` (with the q8 cache's in instruction set q8, "vnni" or "avx2",
+    when given), their values tiles for 1..`most` rows, their scores tiles' sums added down depth first or not
+    (scores_ir), and the softmax (last), and their names."""
     if dim % 16:
         raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
     sizes = (4, 2, 1) if q8 else (4, 2)
-    text = (DECLARATIONS + ("declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n" if q8 else "")
-            + "".join((scores_ir(dim, size, depth_first) if size > 1 else scores_q8_ir(dim))
+    declaration = {None: "", "vnni": "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n",
+                   "avx2": "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"}[q8]
+    text = (DECLARATIONS + declaration
+            + "".join((scores_ir(dim, size, depth_first) if size > 1 else scores_q8_ir(dim, avx2=q8 == "avx2"))
                       + "".join(values_ir(dim, rows, size) for rows in range(1, most + 1)) for size in sizes)
             + softmax_ir("softmax", bfloat16=False))
     names = [f"{kind}{size}{suffix}" for size in sizes

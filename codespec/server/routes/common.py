@@ -17,6 +17,7 @@ from ...errors import CodespecError, DeviceMemoryFull
 from ...request import Prompt
 from ..errors import Unsupported, error_body
 from ..generation import Generation, Generations, Plan
+from ..llamacpp import completion_logprobs
 
 log = logging.getLogger("codespec.server")
 
@@ -178,6 +179,14 @@ class Unsent:
         start = self.sent.get(index, 0)
         self.sent[index] = max(start, len(entries))
         return entries[start:]
+
+    def completion(self, index: int, run: Generation, tokenizer) -> dict:
+        """The next chunk's /v1/completions `logprobs`: the unsent entries, their text_offset counted on from the
+        characters the index's earlier chunks' tokens spelled."""
+        offset = self.chars.get(index, 0)
+        chunk = completion_logprobs(tokenizer, self.take(index, run), offset)
+        self.chars[index] = offset + sum(len(token) for token in chunk["tokens"])
+        return chunk
 
 
 async def merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:

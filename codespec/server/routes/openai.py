@@ -100,9 +100,7 @@ async def completions(body: CompletionRequest, request: Request, server: Server)
             return None
         if whole:
             return completion_logprobs(server.engine.tokenizer, run.token_logprobs)
-        chunk = completion_logprobs(server.engine.tokenizer, unsent.take(index, run), unsent.chars.get(index, 0))
-        unsent.chars[index] = unsent.chars.get(index, 0) + sum(len(token) for token in chunk["tokens"])
-        return chunk
+        return unsent.completion(index, run, server.engine.tokenizer)
 
     def choice(index: int, run: Generation, text: str | None = None, finish_reason=None) -> dict:
         return {"text": run.text if text is None else text, "index": index,
