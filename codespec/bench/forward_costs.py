@@ -146,8 +146,9 @@ def format_forward_costs(data: dict) -> str:
         lines.append("lean, --weights gguf reads the GGUF's blocks in numba up to the same k (its floor is "
                      "for those), PyTorch over their values as float32 beyond")
     if any(row["path"] == "gguf, q8 activations" for row in data["rows"]):
-        lines.append("gguf, q8 activations (the default on CPUs with AVX512-VNNI) runs every k in numba: the blocks "
-                     "times activations rounded to 8 bits, exact integer sums (its floor: the blocks, float16 scales)")
+        lines.append("gguf, q8 activations (the default on x86 CPUs with AVX2 or AVX512-VNNI) runs every k in numba: "
+                     "the blocks times activations rounded to 8 bits, exact integer sums (its floor: the blocks, "
+                     "float16 scales)")
     for entry in data["profile"]:
         shares = ", ".join(f"{name} {share:.0%}" for name, share in entry["shares"].items())
         lines.append(f"lean float32, k={entry['tokens']} ({entry['ms_per_forward_profiled']} ms profiled): {shares}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -195,12 +196,6 @@ class LlamaServer:
         self.log.flush()
         return [line for line in Path(self.log.name).read_text(errors="replace").splitlines() if line.strip()]
 
-    def cpu_features(self) -> str:
-        """The instruction sets its CPU backend was built with, as its start-up `system_info` line lists them
-        (`CPU : SSE3 = 1 | ... | AVX2 = 1 | ...`): what an --cpu avx2 build really runs."""
-        line = next((line for line in self.log_lines() if "system_info" in line), "")
-        return line.split("CPU :", 1)[1].strip() if "CPU :" in line else "unknown"
-
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
@@ -263,6 +258,21 @@ def run_workload(server: LlamaServer, tokenizer, workload, max_tokens: int, turn
     return total
 
 
+CPU_FLAGS = ("NATIVE", "AVX", "AVX2", "FMA", "F16C", "AVX_VNNI", "AVX512", "AVX512_VNNI", "AVX512_BF16")
+
+
+def cpu_features(binary: Path) -> str:
+    """The x86 instruction sets llama-server was built for, as its build's CMakeCache.txt records them
+    (`build_llama_server --cpu avx2`: GGML_NATIVE=OFF, AVX2=ON, AVX512=OFF), or "unknown" for a binary built
+    elsewhere. (Its start-up log lists them only at trace verbosity.)"""
+    try:
+        cache = (Path(binary).resolve().parent.parent / "CMakeCache.txt").read_text(errors="replace")
+    except OSError:
+        return "unknown"
+    found = dict(re.findall(r"^GGML_([A-Z0-9_]+):BOOL=(\w+)$", cache, flags=re.M))
+    return ", ".join(f"{flag}={found[flag]}" for flag in CPU_FLAGS if flag in found) or "unknown"
+
+
 class Peer:
     """All llama-server settings of one bench run: started together, stopped together."""
 
@@ -296,6 +306,6 @@ class Peer:
             lines = []
         first = next(iter(self.servers.values()))
         return {"binary": str(self.binary), "version": lines[0] if lines else "unknown", "gguf": str(self.gguf),
-                "threads": first.threads, "cpu_features": first.cpu_features() if first.log is not None else "unknown",
+                "threads": first.threads, "cpu_features": cpu_features(self.binary),
                 "command": " ".join(server_command(self.binary, self.gguf, "PORT", first.threads, [])),
                 "settings": {name: server.setting.args for name, server in self.servers.items()}}

@@ -255,7 +255,7 @@ def format_table(data: dict) -> str:
     if "forward_plan" in data:  # which kernels each side ran (CODESPEC_CPU=avx2 against an --cpu avx2 llama-server)
         lines[:0] = [f"codespec: {data['forward_plan']} (CODESPEC_CPU={data.get('codespec_cpu', 'native')})"]
     if peer and "llama_server" in data:
-        lines[1:1] = [f"llama-server: CPU {data['llama_server'].get('cpu_features', 'unknown')}"]
+        lines[1:1] = [f"llama-server: built with {data['llama_server'].get('cpu_features', 'unknown')}"]
     for r in data["results"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "-"
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"

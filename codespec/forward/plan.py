@@ -130,8 +130,8 @@ def cache_of(cache_type: str, cache_kernel: bool, q8: bool, head_dim: int) -> st
     if cache_type == "q8" and not (cache_kernel and q8 and head_dim % 64 == 0
                                    and capabilities.available("q8 cache attention")):
         raise CodespecError("--cache-type q8 runs where every forward runs in numba: with --weights gguf and "
-                            "--activations q8, on a CPU with AVX2 or AVX512-VNNI (the cache's scores), for head sizes that are a "
-                            "multiple of 64")
+                            "--activations q8, on a CPU with AVX2 or AVX512-VNNI (the cache's scores), for head sizes "
+                            "that are a multiple of 64")
     if cache_type == "f16" and not cache_kernel:
         raise CodespecError("--cache-type f16 runs on CPUs in float32 (numba's OpenMP pool), with a head size "
                             "that is a multiple of 16")

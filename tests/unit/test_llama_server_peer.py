@@ -142,3 +142,18 @@ def test_bench_rows_from_a_fake_llama_server(tokenizer, tmp_path):
     assert all("median_tokens_per_second" in s for s in data["by_class"])
     table = runner.format_table(data)
     assert "llama-server ngram-mod draft-max 16" in table and "vs llama" in table and "pred t/s" in table
+
+
+def test_the_report_names_the_instruction_sets_llama_server_was_built_for(tmp_path):
+    """`build_llama_server --cpu avx2` leaves GGML_NATIVE=OFF, AVX2=ON, AVX512=OFF in its build's CMakeCache.txt: the
+    side-by-side report reads them there (the binary's own log lists them only at trace verbosity)."""
+    from codespec.bench.build_llama_server import AVX2_FLAGS
+
+    binary = tmp_path / "build-avx2" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("")
+    cache = "".join(f"GGML_{flag[len('-DGGML_'):].split('=')[0]}:BOOL={flag.split('=')[1]}\n" for flag in AVX2_FLAGS)
+    (tmp_path / "build-avx2" / "CMakeCache.txt").write_text("CMAKE_BUILD_TYPE:STRING=Release\n" + cache)
+    assert llama_server.cpu_features(binary) == ("NATIVE=OFF, AVX=ON, AVX2=ON, FMA=ON, F16C=ON, AVX_VNNI=OFF, "
+                                                 "AVX512=OFF, AVX512_VNNI=OFF, AVX512_BF16=OFF")
+    assert llama_server.cpu_features(tmp_path / "elsewhere" / "llama-server") == "unknown"

@@ -82,7 +82,8 @@ def test_the_q8_scores_are_exact_integer_sums_with_the_same_bits_in_every_instru
     rng = np.random.default_rng(5)
     keys, queries = rng.integers(-127, 128, (count, dim)), rng.integers(-127, 128, (rows, dim))
     keys[0], keys[1], queries[0], queries[1] = 127, -127, 127, -127
-    key_scales, query_scales = rng.uniform(0.01, 2, count).astype(np.float32), rng.uniform(0.01, 2, rows).astype(np.float32)
+    key_scales = rng.uniform(0.01, 2, count).astype(np.float32)
+    query_scales = rng.uniform(0.01, 2, rows).astype(np.float32)
     k, q = q8_rows(keys, key_scales, True), q8_rows(queries, query_scales, False)
     exact = (queries @ keys.T).astype(np.float32)  # (integers: exact in int64, then exactly representable)
     expected = exact * (key_scales[None, :] * query_scales[:, None])

@@ -33,7 +33,8 @@ import functools
 import numpy as np
 
 from . import capabilities
-from .ir import EXP_DECLARATIONS, FMA, SOFTMAX_DECLARATIONS, VECTOR, add_down, lanes, running_sums, softmax_ir, stored_sums
+from .ir import (EXP_DECLARATIONS, FMA, SOFTMAX_DECLARATIONS, VECTOR, add_down, lanes, running_sums, softmax_ir,
+                 stored_sums)
 from .native import compile_ir
 
 DECLARATIONS = EXP_DECLARATIONS + SOFTMAX_DECLARATIONS  # (FMA's among them)
@@ -161,8 +162,8 @@ def scores_q8_ir(dim: int, avx2: bool = False) -> str:
                  f"  %qv{c} = load <64 x i8>, ptr %qcp{c}, align 1\n")
         if avx2:
             text += f"  %qw{c} = sext <64 x i8> %qv{c} to <64 x i16>\n" + "".join(
-                f"  %qw{c}_{part} = shufflevector <64 x i16> %qw{c}, <64 x i16> poison, <16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n"
-                for part in range(4))
+                f"  %qw{c}_{part} = shufflevector <64 x i16> %qw{c}, <64 x i16> poison, "
+                f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n" for part in range(4))
     text += (f"  %qsp = getelementptr i8, ptr %qp, i64 {dim}\n  %qs = load float, ptr %qsp, align 1\n"
              f"  %qs.v = insertelement {VECTOR} poison, float %qs, i64 0\n"
              f"  %qs.s = shufflevector {VECTOR} %qs.v, {VECTOR} poison, <16 x i32> zeroinitializer\n"
@@ -184,7 +185,8 @@ def scores_q8_ir(dim: int, avx2: bool = False) -> str:
                              f"  %m{n}_{part} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %kw{n}_{part}, "
                              f"<16 x i16> %qw{c}_{part})\n")
                 code += (f"  %lo{n} = add <8 x i32> %m{n}_0, %m{n}_2\n  %hi{n} = add <8 x i32> %m{n}_1, %m{n}_3\n"
-                         f"  %e{n} = shufflevector <8 x i32> %lo{n}, <8 x i32> %hi{n}, <16 x i32> <{lanes(range(16))}>\n"
+                         f"  %e{n} = shufflevector <8 x i32> %lo{n}, <8 x i32> %hi{n}, "
+                         f"<16 x i32> <{lanes(range(16))}>\n"
                          f"  %d{n} = add <16 x i32> {acc}, %e{n}\n")
             else:
                 code += (f"  %d{n} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc}, "
@@ -267,7 +269,8 @@ def source(dim: int, q8: str | None, most: int = GROUP, depth_first: bool = Fals
     if dim % 16:
         raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
     sizes = (4, 2, 1) if q8 else (4, 2)
-    declaration = {None: "", "vnni": "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n",
+    declaration = {None: "",
+                   "vnni": "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n",
                    "avx2": "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"}[q8]
     text = (DECLARATIONS + declaration
             + "".join((scores_ir(dim, size, depth_first) if size > 1 else scores_q8_ir(dim, avx2=q8 == "avx2"))
