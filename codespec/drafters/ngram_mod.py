@@ -20,8 +20,8 @@ the per-token loops of a step's learning cost as much as a marginal draft token 
 A session learns what its history added when it is next asked to draft (and in begin()): the pool then holds, at
 every draft, all that eager learning after each step would have put there, and while adaptive speculation holds
 the drafter back (its drafts do not pay for its calls: adaptive.pays_to_call) it learns nothing until it is asked
-again, then all it missed in one call. Learning is most of its cost a step (~20 us of ~30, right after a forward
-whose traffic left the host's caches cold), so holding it back saves it. Other sessions see a session's tokens
+again, then all it missed in one call. Learning was most of its cost a step (34 us of 44 on prose, timed inside
+generations, right after forwards whose traffic left the host's caches cold), so holding it back saves it. Other sessions see a session's tokens
 after its next draft: one step later, or the steps between two probes while it is held back.
 """
 

@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as Type
 from gguf import quants
 
-from codespec.forward.kernels import block_tiles
+from codespec.forward.kernels import block_tiles, q8_tiles
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, Rows, forward_path
 from tests.gguf_files import k_quant_model, q4_k_m, quantize, random_blocks, tensor, write_gguf
@@ -120,8 +120,14 @@ def test_a_verify_forward_gives_each_row_the_logits_of_decoding_it_alone_bit_for
     this path speculation cannot change a single bit, nor can the other sessions of a batch. With q8 activations,
     forwards of any length (here 24 rows, past layers.FEW_ROWS) take this path."""
     model = tiny_arch_model(kind, dtype=torch.float32)
-    lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=kind == "llama"),
-                        activations=activations)
+    try:
+        lean = forward_path(model, gguf=write_gguf(tmp_path / "tiny.gguf", model, permute=kind == "llama"),
+                            activations=activations)
+    except CodespecError as error:  # only where the q8 tiles are VNNI's, which take float16 scales: this file's q
+        # scales times 1/sqrt(head_dim) are not (the AVX2 tiles take any), and the refusal must say so
+        assert activations == "q8" and q8_tiles.instruction_set() == "vnni", error
+        assert "not float16 values" in str(error)
+        return
     assert lean.q8 == (activations == "q8")
     prompt, draft = [5, 17, 3, 99, 42, 7, 8, 9], [11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23] * 2
     draft = draft[:draft_length]

@@ -65,11 +65,9 @@ def test_open_documents_teach_the_shared_pool_and_take_it_back(model, tokenizer)
     engine = Engine(model, tokenizer, SpecConfig(spec=("ngram-mod",), mod_n=4), eos_token_ids=frozenset({EOS}))
     text = "def rectangle_area(width, height):\n    return width * height\n"
     ids = engine.tokenizer(text, add_special_tokens=False).input_ids
-    probe = NgramMod(engine.shared.pool)  # another session's view of the same pool
-
-    def drafted(tokens):
-        proposal = probe.draft(np.asarray(tokens, dtype=np.int64), 8)
-        return proposal.tokens if proposal else []
+    def drafted(tokens):  # what any session would draft from the shared pool (a bare look: it teaches the pool nothing,
+        # where a drafter's draft() first learns its own history)
+        return engine.shared.pool.draft(np.asarray(tokens, dtype=np.int64), 8)
 
     engine.teach("file:///a.py", text, 1)
     assert drafted(ids[:6]) == ids[6:14]  # drafts come from the open file

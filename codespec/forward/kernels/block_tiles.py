@@ -581,7 +581,10 @@ def q8_problem(path: Path, q_scale: float, isa: str = "vnni") -> str | None:
     small that the product is a subnormal float16 (a Q8_0 file of the default model did)."""
     if isa == "avx2":
         return None
-    tensors = {t.name: t for t in _reader(path).tensors}
+    try:
+        tensors = {t.name: t for t in _reader(path).tensors}
+    except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
+        return f"cannot read {path}: {exc}"
     for name, tensor in tensors.items():
         kind = tensor.tensor_type.name
         if name.endswith(".weight") and len(tensor.shape) == 2 and kind not in Q8_TYPES:
