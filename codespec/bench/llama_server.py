@@ -189,12 +189,9 @@ class LlamaServer:
         raise CodespecError(f"{self.setting.name} did not answer /health within {self.startup_timeout:.0f} s")
 
     def last_log_line(self) -> str:
-        lines = self.log_lines()
-        return lines[-1] if lines else "(no output)"
-
-    def log_lines(self) -> list[str]:
         self.log.flush()
-        return [line for line in Path(self.log.name).read_text(errors="replace").splitlines() if line.strip()]
+        lines = [line for line in Path(self.log.name).read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else "(no output)"
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -251,11 +251,12 @@ def format_table(data: dict) -> str:
     header = (f"{'workload':26} {'config':{width}} {'tok/s':>6} {'dec t/s':>7} {'tok/fwd':>7} {'accept':>6} "
               f"{'vs plain':>8} {'dec vs plain':>12} {'vs hf-pld':>9}" + (f" {'vs llama':>8}" if peer else "")
               + " same")
-    lines = [header, "-" * len(header)]
-    if "forward_plan" in data:  # which kernels each side ran (CODESPEC_CPU=avx2 against an --cpu avx2 llama-server)
-        lines[:0] = [f"codespec: {data['forward_plan']} (CODESPEC_CPU={data.get('codespec_cpu', 'native')})"]
+    lines = []  # which kernels each side ran (CODESPEC_CPU=avx2 against an --cpu avx2 llama-server), then the table
+    if "forward_plan" in data:
+        lines.append(f"codespec: {data['forward_plan']} (CODESPEC_CPU={data.get('codespec_cpu', 'native')})")
     if peer and "llama_server" in data:
-        lines[1:1] = [f"llama-server: built with {data['llama_server'].get('cpu_features', 'unknown')}"]
+        lines.append(f"llama-server: built with {data['llama_server'].get('cpu_features', 'unknown')}")
+    lines += [header, "-" * len(header)]
     for r in data["results"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "-"
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
