@@ -47,9 +47,9 @@ def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets
     """Integer sums are exact, and each (row, column) then takes the same float steps in every tile, of one to
     eight rows (VNNI) or one to four (AVX2): 19 rows give each row what it gets alone. 45, 40, 35, 33 and 17
     columns: the last group padded. Extreme blocks too: inputs at +-127 against the largest weights (an AVX2 sum of
-    16-bit pairs that could saturate would show here). On AVX2 every layout runs (K-quants' sub-block scales are
-    float32, `wide`; Q6_K's scale per 16 weights; the mixed layout of a Q4_K_M file's fused q/k/v); the VNNI tiles
-    refuse all but Q4_1's and Q8_0's layouts with float16 scales (q8_problem keeps such files off them)."""
+    16-bit pairs that could saturate would show here). Every layout runs in both instruction sets (K-quants'
+    sub-block scales are float32, `wide`; Q6_K's scale per 16 weights; the mixed layout of a Q4_K_M file's fused
+    q/k/v; bytes with a minimum, which the VNNI tiles hold as m - 128 d)."""
     if kind not in block_tiles.KINDS:
         block_tiles.kind_of(block_tiles.Layout(8, True, 2))
     blocks = random_blocks(kind, outputs, 192)
@@ -59,10 +59,6 @@ def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets
     if wide:  # scales of more bits than float16's (a K-quant's d times a 6-bit integer)
         d = d * np.float32(1 + 2 ** -20)
     blocks = block_tiles.Blocks.of(kind, q, d, m, blocks.source)
-    if q8_tiles.instruction_set() == "vnni" and (wide or kind not in ("Q4_1", "Q4_0", "Q8_0")):
-        with pytest.raises(ValueError, match="float16 values|one scale a block|bytes without a minimum"):
-            blocks.weight(q8=True)
-        return
     weight = blocks.weight(q8=True)
     x = np.random.default_rng(1).standard_normal((19, 192)).astype(np.float32)
     x[:4, :64] = np.where(x[:4, :64] > 0, 1.0, -1.0)  # rounded to +-127
@@ -76,19 +72,18 @@ def test_the_tiles_multiply_the_rounded_rows_by_the_blocks_values_and_a_row_gets
                               together[first : first + count])
 
 
-def test_the_vnni_tiles_take_float16_scales_and_the_avx2_tiles_any(monkeypatch):
-    """The VNNI tiles hold d and m as float16 (q8_problem keeps other files off them); AVX2's hold float32 where a
-    scale is not a float16 value."""
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_the_tiles_hold_float16_scales_where_they_are_float16_values_and_float32_otherwise(monkeypatch, isa):
+    """Scales stay float16, as the file has them, unless one is not a float16 value (then float32: `wide`); the
+    VNNI tiles hold a byte form's m - 128 d (vpdpbusd reads the stored bytes, the values plus 128, unsigned)."""
     blocks = random_blocks("Q4_1", 16, 64)
-    blocks.d[0, 0] = 1 / 3  # not a float16 value
     monkeypatch.setattr(q8_tiles, "tiles", lambda form: form)  # (the form, not compiled: either set, on any CPU)
-    monkeypatch.setattr(q8_tiles, "instruction_set", lambda: "vnni")
-    with pytest.raises(ValueError, match="float16"):
-        blocks.weight(q8=True)
-    monkeypatch.setattr(q8_tiles, "instruction_set", lambda: "avx2")
-    assert blocks.weight(q8=True)[2] == q8_tiles.Form(nibbles=True, wide=True)
-    blocks.d[0, 0] = 0.25
+    monkeypatch.setattr(q8_tiles, "instruction_set", lambda: isa)
     assert blocks.weight(q8=True)[2] == q8_tiles.Form(nibbles=True, wide=False)
+    blocks.d[0, 0] = 1 / 3  # not a float16 value
+    assert blocks.weight(q8=True)[2] == q8_tiles.Form(nibbles=True, wide=True)
+    q8_0 = random_blocks("Q8_0", 16, 64)
+    assert q8_0.weight(q8=True)[2] == q8_tiles.Form(nibbles=False, minimum=isa == "vnni")
 
 
 @pytest.mark.needs_kernels("q8 block tiles")

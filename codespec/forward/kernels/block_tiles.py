@@ -16,8 +16,8 @@ which is what llama-server runs. `codespec pull` stores it as bfloat16, which ro
   keeps some v and down projections in Q6_K) takes the one layout that holds them all. The 5- and 6-bit types
   read a byte a weight: more than the file's 5.5-6.6 bits, fewer than 16.
 - **Or activations rounded to 8 bits** (--activations q8, the default on x86 CPUs with AVX2): q8_tiles.py
-  repacks the blocks for its integer kernels: every layout on AVX2, the Q4_0, Q4_1, Q5_0 and Q8_0 blocks with
-  float16 scales on AVX512-VNNI (q8_problem says which files those take); the float tiles below are then not built.
+  repacks the blocks for its integer kernels (every layout, on AVX2 and on AVX512-VNNI); the float tiles below are
+  then not built.
 - **The float32 weights are the same numbers.** The model's float32 parameters are overwritten with the
   dequantised blocks (each q * d + m rounded once, as the kernel's fused multiply-add rounds it), so forwards over
   more rows (prompts, long verifies in PyTorch) and the kernel multiply by the same weights. A q/k scale that is
@@ -567,41 +567,6 @@ def _unsupported(tensors) -> str | None:
     for tensor in tensors:
         if tensor.name.endswith(".weight") and len(tensor.shape) == 2 and tensor.tensor_type.name not in FORMATS:
             return f"{tensor.name} is {tensor.tensor_type.name}"
-    return None
-
-
-Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # the types whose layout (Q4_1, Q8_0) and float16 scales q8_tiles takes
-FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # the projections the forward fuses into one
-
-
-def q8_problem(path: Path, q_scale: float, isa: str = "vnni") -> str | None:
-    """Why q8_tiles cannot take `path`'s blocks, or None. The AVX2 tiles take every layout. The VNNI ones take the
-    types of Q8_TYPES, each fused projection all in one layout, with every scale (and minimum) a float16 value: q's
-    scales times `q_scale` (the forward's 1/sqrt(head_dim), folded into them) too, which fails where a scale is so
-    small that the product is a subnormal float16 (a Q8_0 file of the default model did)."""
-    if isa == "avx2":
-        return None
-    try:
-        tensors = {t.name: t for t in _reader(path).tensors}
-    except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
-        return f"cannot read {path}: {exc}"
-    for name, tensor in tensors.items():
-        kind = tensor.tensor_type.name
-        if name.endswith(".weight") and len(tensor.shape) == 2 and kind not in Q8_TYPES:
-            return f"{name} is {kind} (the q8 tiles take {', '.join(Q8_TYPES)})"
-    for name, tensor in tensors.items():
-        parts = next((group for group in FUSED if any(f".{part}." in name for part in group)), ())
-        prefix = name.split(".")[:2]
-        nibbles = {KINDS[FORMATS[tensors[t].tensor_type.name][2]].bits == 4 for t in
-                   (".".join(prefix + [part, "weight"]) for part in parts) if t in tensors}
-        if len(nibbles) > 1:  # (the q8 tiles hold 4-bit blocks as nibbles, the others as bytes)
-            return f"{'/'.join(parts)} of {'.'.join(prefix)} mix 4-bit and wider blocks"
-        if ".attn_q." in name and name.endswith(".weight"):
-            raw = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, FORMATS[tensor.tensor_type.name][1])
-            offsets = (0, 2) if tensor.tensor_type.name == "Q4_1" else (0,)  # d (and Q4_1's m)
-            d = np.stack([_halves(raw, offset) for offset in offsets]).astype(np.float64) * q_scale
-            if not np.array_equal(d.astype(np.float16).astype(np.float64), d):
-                return f"{name}'s scales times 1/sqrt(head_dim) are not float16 values"
     return None
 
 

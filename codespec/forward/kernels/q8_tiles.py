@@ -150,15 +150,21 @@ def _row_inputs(j: int, step: int, lanes: int) -> str:
 
 
 def _vnni_sums(form: Form, weights: list, j: int) -> str:
-    """%ci{j}_0: row j's 16 integer sums for the block, one vpdpbusd per step (64 products: the stored bytes,
-    unsigned, times the signed inputs) in two independent chains (exact in any order). Forms of one scale."""
+    """%ci{j}_{part}: row j's 16 integer sums for the block, one vpdpbusd per step (64 products: the stored bytes,
+    unsigned, times the signed inputs) in two independent chains, steps 0-3 (weights 0-15) and 4-7 (16-31): added
+    for a form of one scale (exact in any order), each its own part for a form of two."""
     chains = {0: "zeroinitializer", 1: "zeroinitializer"}
+    last = {step // 4: step for step, _ in weights}  # (weights are in step order)
     text = ""
     for step, vector in weights:
+        chain = step // 4
+        name = f"%ci{j}_{chain}" if form.scales == 2 and step == last[chain] else f"%c{j}_{step}"
         text += _row_inputs(j, step, 16)
-        text += (f"  %c{j}_{step} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {chains[step // 4]}, "
+        text += (f"  {name} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {chains[chain]}, "
                  f"<64 x i8> {vector}, <64 x i8> %xv{j}_{step})\n")
-        chains[step // 4] = f"%c{j}_{step}"
+        chains[chain] = name
+    if form.scales == 2:
+        return text
     return text + f"  %ci{j}_0 = add <16 x i32> {chains[0]}, {chains[1]}\n"
 
 
@@ -228,7 +234,6 @@ ISAS = {  # the integer dot products' instruction sets: their entries in the cap
     "avx2": ("q8 block tiles", 4),  # AVX2's vpmaddubsw and vpmaddwd (x86-64-v3): 16 registers of 8 lanes; 2 and 8
     # rows measured slower over 4 and 16 rows (the Qwen2.5-Coder-0.5B shape's MLP, 2-core AVX2)
 }
-VNNI_FORMS = (Form(True), Form(False))  # the forms the VNNI tiles take: Q4_1's, Q8_0's (m = -128 d), float16 scales
 DECLARATIONS = {
     "vnni": FMA_DECLARATION + "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n",
     "avx2": FMA_DECLARATION + "declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)\n"
@@ -338,16 +343,14 @@ def repack(bits: int, rows: int, integers) -> tuple:
     """A GGUF tensor's blocks as `linear` takes them, from `integers(first, last)`: (q, d, m) of rows first..last,
     q [rows, B, 32] integers (bits 4: nibbles 0..15, with a minimum m; bits 8: signed bytes), d and m
     [rows, B, scales] (block_tiles.Blocks.integers; m None: none), taken REPACK_ROWS rows at a time. Columns are
-    padded to a multiple of 16 with zero weights. The VNNI tiles take one scale a block, as float16 values
-    (VNNI_FORMS; ValueError otherwise: q8_problem checks a file first)."""
+    padded to a multiple of 16 with zero weights. Both instruction sets take every form: vpdpbusd takes the stored
+    bytes as unsigned, so for the VNNI tiles a byte form's minimum is less 128 d (w = (q + 128) d + m - 128 d)."""
     isa = instruction_set() or "avx2"
     packed, slots, minimum = [], [], False
     for first in range(0, rows, REPACK_ROWS):
         q, d, m = integers(first, min(rows, first + REPACK_ROWS))
-        if isa == "vnni" and bits == 8:  # vpdpbusd takes the stored bytes as they are: w = (q + 128) d - 128 d
-            if m is not None:
-                raise ValueError("the VNNI tiles take bytes without a minimum")
-            m = -128 * d
+        if isa == "vnni" and bits == 8:
+            m = -128 * d if m is None else m - 128 * d
         minimum = m is not None
         packed.append(_steps(bits, q))
         slots.append(np.concatenate([d] + ([] if m is None else [m]), axis=2))
@@ -355,9 +358,6 @@ def repack(bits: int, rows: int, integers) -> tuple:
     _, blocks, count = slots.shape
     wide = not np.array_equal(slots.astype(np.float16).astype(np.float32), slots)
     form = Form(bits == 4, count // (2 if minimum else 1), minimum, wide)
-    if isa == "vnni" and form not in VNNI_FORMS:
-        raise ValueError("the scales are not float16 values" if form.scales == 1
-                         else "the VNNI tiles take one scale a block")
     groups = -(-rows // COLUMNS)
     held = np.zeros((groups * COLUMNS, blocks, count), np.float32 if wide else np.float16)
     held[:rows] = slots
