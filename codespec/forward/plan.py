@@ -109,14 +109,15 @@ def lean_unsupported(model) -> Optional[str]:
 
 
 def q8_activations(activations: str, gguf: Optional[Path]) -> bool:
-    """Whether the GGUF's blocks multiply activations rounded to 8 bits (q8; auto: on CPUs with AVX2 or
-    AVX512-VNNI, whose tiles take every block type)."""
+    """Whether the GGUF's blocks multiply activations rounded to 8 bits (q8; auto: on CPUs with AVX2, AVX512-VNNI or
+    ARM64's dot product, whose tiles take every block type)."""
     if gguf is None:
         if activations == "q8":
             raise CodespecError("--activations q8 multiplies a GGUF's blocks: use it with --weights gguf (or auto)")
         return False
     if activations == "q8" and not q8_tiles.available():
-        raise CodespecError("--activations q8 needs an x86 CPU with AVX2 (this one lacks avx2); use --activations float32")
+        raise CodespecError("--activations q8 needs a CPU with AVX2, or an ARM64 CPU with the dot product (this one "
+                            "has neither); use --activations float32")
     return activations != "float32" and q8_tiles.available()
 
 

@@ -1,7 +1,8 @@
 """The portable kernels on an emulated ARM64 CPU (issue 39; `.ci/qemu-arm64` drives it).
 
 On ARM64 codespec runs the IR modules that are plain IR (capabilities.NEEDS: no x86 feature): the float block
-tiles for every GGUF type, the attention tiles for float32 and float16 caches, SiLU. This lane has two halves:
+tiles for every GGUF type, the attention tiles for float32 and float16 caches, SiLU; and the q8 tiles in ARM64's
+sdot (the dot-product extension), every type's blocks times rows rounded to 8 bits. This lane has two halves:
 
 - `prepare DIR` (natively, in the project's environment): writes each module's IR text exactly as codespec builds
   it for a CPU with 16 vector registers (ARM64's NEON has 32 of 128 bits: a 16-lane vector takes four, as AVX2's
@@ -30,7 +31,7 @@ DIM = 64  # a head's size (the default model's)
 def prepare(folder: Path) -> None:
     from gguf import GGMLQuantizationType as Type, quants
 
-    from codespec.forward.kernels import attention_tiles, block_tiles, layers
+    from codespec.forward.kernels import attention_tiles, block_tiles, layers, q8_tiles
     from tests.gguf_files import quantize
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -48,6 +49,17 @@ def prepare(folder: Path) -> None:
                  expected=x.astype(np.float64) @ reference.T)
         (folder / f"{kind.name}.ll").write_text(text)
         cases.append({"kind": "blocks", "name": kind.name, "functions": names})
+        # the same blocks in the q8 tiles for ARM64's sdot, times the rows rounded to 8 bits (rounded8: numba, run
+        # natively; the same code on ARM64), against the float64 product of the rounded rows and the blocks' values
+        q8, held, form, columns, _ = blocks.q8_packed("neon")
+        text, names = q8_tiles.source(form, "neon")
+        xq, xd, xs, xh = q8_tiles.rounded8(x)
+        rounded = xq.astype(np.float64) * np.repeat(xd, 32, axis=1)
+        np.savez(folder / f"q8-{kind.name}.npz", x=xq, q=q8, s=held, xd=xd, xs=xs, xh=xh,
+                 expected=rounded @ reference.T)
+        (folder / f"q8-{kind.name}.ll").write_text(text)
+        cases.append({"kind": "q8", "name": f"q8-{kind.name}", "functions": names, "columns": columns,
+                      "form": form.name})
     text, names = attention_tiles.source(DIM, q8=None, most=attention_tiles.value_rows(False), depth_first=True)
     (folder / "attention.ll").write_text(text)
     count = 48  # keys, a multiple of 16
@@ -118,13 +130,15 @@ def setup(folder: Path) -> tuple[Path, Path]:
 CPUS = (None, "neoverse-n1", "apple-m1")  # LLVM's own pick for the emulated CPU, a Linux server's, a Mac's
 
 
-def compiled(text: str, names: list[str]) -> list[int]:
+def compiled(text: str, names: list[str], needs: str = "") -> list[int]:
+    """The functions `names` of IR `text` compiled for compiled.cpu (None: the emulated CPU as LLVM detects it,
+    plus `needs`, the features the module needs: qemu's CPU has them, LLVM may not see them through qemu-user)."""
     import llvmlite.binding as llvm
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    cpu, features = compiled.cpu or llvm.get_host_cpu_name(), "" if compiled.cpu else llvm.get_host_cpu_features(
-    ).flatten()
+    cpu = compiled.cpu or llvm.get_host_cpu_name()
+    features = "" if compiled.cpu else ",".join(f for f in (llvm.get_host_cpu_features().flatten(), needs) if f)
     machine = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features, opt=3)
     module = llvm.parse_assembly(text)
     module.verify()
@@ -174,6 +188,33 @@ def run_blocks(folder: Path, case: dict) -> str:
     if not np.array_equal(alone, together):
         raise AssertionError(f"{case['name']}: a row alone and in a tile of two differ")
     return f"{case['name']}: {check(case['name'], together, data['expected']):.1e}"
+
+
+def run_q8(folder: Path, case: dict) -> str:
+    """The q8 tiles in sdot: rows in tiles of up to four (q8_tiles.linear), then each row alone, the same bits."""
+    data = np.load(folder / f"{case['name']}.npz")
+    x, q, s, xd, xs, xh = (np.ascontiguousarray(data[a]) for a in ("x", "q", "s", "xd", "xs", "xh"))
+    tiles = [ctypes.CFUNCTYPE(None, P, I, P, P, I, P, I, I, P, P, P)(a)
+             for a in compiled((folder / f"{case['name']}.ll").read_text(), case["functions"], "+dotprod")]
+    rows, size = x.shape
+    groups = q.shape[0]
+
+    def product(first: int, count: int) -> np.ndarray:
+        out = np.zeros((rows, groups * 16), np.float32)
+        r = first
+        while r < first + count:
+            take = min(len(tiles), first + count - r)
+            for g in range(groups):
+                tiles[take - 1](address(x), size, address(q), address(s), g, address(out), groups * 16, r,
+                                address(xd), address(xs), address(xh))
+            r += take
+        return out[first : first + count, : case["columns"]]
+
+    together = product(0, rows)
+    alone = np.concatenate([product(r, 1) for r in range(rows)])
+    if not np.array_equal(alone, together):
+        raise AssertionError(f"{case['name']}: a row alone and in a tile of four differ")
+    return f"{case['name']} ({case['form']}): {check(case['name'], together, data['expected']):.1e}"
 
 
 def run_attention(folder: Path, case: dict) -> list[str]:
@@ -229,6 +270,8 @@ def run(folder: Path) -> None:
         for case in json.loads((folder / "cases.json").read_text()):
             if case["kind"] == "blocks":
                 results.append(run_blocks(folder, case))
+            elif case["kind"] == "q8":
+                results.append(run_q8(folder, case))
             elif case["kind"] == "attention":
                 results += run_attention(folder, case)
             else:

@@ -4,6 +4,8 @@ instruction (LLVM aborts the whole process on an AVX-512 intrinsic for such a ta
 AVX2 machines, until exp_ir stopped using vscalefps). The AVX-512 tiles compile for Zen 4 and use the instructions
 they exist for; on a CPU without those, asking for them is a Python error, never an abort."""
 
+from pathlib import Path
+
 import pytest
 
 from codespec.forward.kernels import attention_tiles, block_tiles, capabilities, layers, native, prompt_attention
@@ -12,7 +14,7 @@ from codespec.forward.kernels import q8_tiles
 AVX2 = "haswell"
 AVX512 = "znver4"  # AVX512-VNNI and AVX512-BF16
 HASWELL = {"avx", "avx2", "fma", "f16c", "bmi2", "openmp"}  # what an AVX2 laptop has (and numba's pool)
-AVX2_FORMS = [q8_tiles.Form(True), q8_tiles.Form(True, wide=True), q8_tiles.Form(False, minimum=False),
+FORMS = [q8_tiles.Form(True), q8_tiles.Form(True, wide=True), q8_tiles.Form(False, minimum=False),
               q8_tiles.Form(False, 1, True, True), q8_tiles.Form(False, 2, False, True), q8_tiles.Form(False, 2, True, True)]
 # every LLVM IR module codespec compiles, by its entry in the capability table
 MODULES = {
@@ -26,11 +28,23 @@ MODULES = {
     "float block tiles": lambda: block_tiles.FMA_DECLARATION + "".join(  # every layout's
         block_tiles.source(kind, block_tiles.tile_rows(False))[0].split("\n", 1)[1] for kind in block_tiles.KINDS),
     "four-row block tiles": lambda: block_tiles.source("Q4_1", [4, 3])[0],
-    "q8 block tiles": lambda: q8_tiles.DECLARATIONS["avx2"] + "".join(  # every form the AVX2 tiles hold blocks in
-        q8_tiles.source(form, "avx2")[0].removeprefix(q8_tiles.DECLARATIONS["avx2"]) for form in AVX2_FORMS),
-    "q8 block tiles, vnni": lambda: q8_tiles.source(q8_tiles.Form(True), "vnni")[0],
+    "q8 block tiles": lambda: every_form("avx2"),
+    "q8 block tiles, vnni": lambda: every_form("vnni"),
+    "q8 block tiles, neon": lambda: every_form("neon"),
     "prompt attention": lambda: prompt_attention.source(64),
 }
+
+
+VNNI_FORMS = [q8_tiles.Form(True, 1, True, False, 1, 16), q8_tiles.Form(True, 1, True, True, 1),
+              q8_tiles.Form(True, 2, True, True, 2, 32), q8_tiles.Form(True, offset=8),
+              q8_tiles.Form(False, offset=128)]  # nibbles and planes of higher bits (Q5_*, Q6_K); formed minimums
+
+
+def every_form(isa: str) -> str:
+    """The q8 tiles of instruction set `isa` for every form they hold blocks in, one module."""
+    return q8_tiles.DECLARATIONS[isa] + "".join(
+        q8_tiles.source(form, isa)[0].removeprefix(q8_tiles.DECLARATIONS[isa])
+        for form in FORMS + (VNNI_FORMS if isa == "vnni" else [q8_tiles.Form(True, offset=8)]))
 
 
 def no_512_bit_registers(assembly: str) -> bool:
@@ -47,6 +61,8 @@ def test_every_ir_module_compiles_for_an_avx2_cpu_or_the_table_keeps_it_off(kern
     is never handed to LLVM there (that aborts the process; test_asking_for_instructions_this_cpu_lacks_is_an_error_
     not_an_abort), and compiles for a CPU that has what the table names."""
     if capabilities.missing(kernel, have=HASWELL):
+        if not capabilities.missing(kernel, ARM64_FEATURES):  # ARM64's (test_the_portable_modules_compile_for_arm64)
+            return
         assert no_512_bit_registers(native.assembly(MODULES[kernel](), AVX512)) is False  # it is AVX-512 code
         return
     assembly = native.assembly(MODULES[kernel](), AVX2)
@@ -55,7 +71,7 @@ def test_every_ir_module_compiles_for_an_avx2_cpu_or_the_table_keeps_it_off(kern
 
 
 def test_the_avx512_tiles_compile_for_zen4_with_their_instructions():
-    assert "vpdpbusd" in native.assembly(q8_tiles.source(q8_tiles.Form(True), "vnni")[0], AVX512)
+    assert "vpdpbusd" in native.assembly(every_form("vnni"), AVX512)
     assert "vpdpbusd" in native.assembly(attention_tiles.source(64, q8="vnni")[0], AVX512)
     assembly = native.assembly(prompt_attention.source(64), AVX512)
     assert "vdpbf16ps" in assembly and "vscalef" not in assembly  # exp_ir's 2^n from exponent bits, anywhere
@@ -88,13 +104,31 @@ def test_the_q8_cache_scores_for_avx2_form_their_integer_sums_in_vpmaddwd():
     assert "vpmaddubsw" not in assembly and "vpdpbusd" not in assembly
 
 
-@pytest.mark.parametrize("form", AVX2_FORMS, ids=lambda form: form.name)
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.name)
 def test_the_q8_tiles_for_avx2_form_their_integer_sums_in_vpmaddubsw(form):
     """AVX2 has no vpdpbusd: unsigned bytes times signed bytes in vpmaddubsw, widened by vpmaddwd; signed bytes
     through their magnitudes and vpsignb (q8_tiles._avx2_sums), never a 512-bit register."""
     assembly = native.assembly(q8_tiles.source(form, "avx2")[0], AVX2)
     assert "vpmaddubsw" in assembly and "vpmaddwd" in assembly and no_512_bit_registers(assembly)
     assert ("vpsignb" in assembly) == (not form.nibbles)
+
+
+def test_an_arm64_cpu_with_the_dot_product_runs_the_sdot_tiles_and_one_without_runs_float32(monkeypatch):
+    """The instruction set comes from the capability table: an ARM64 CPU's features (dotprod) pick the sdot tiles
+    (q8 activations, the default there too), one without them float32 activations, never an x86 tile."""
+    from codespec.forward import plan
+
+    for cached in (capabilities.available,):
+        cached.cache_clear()
+    monkeypatch.setattr(capabilities, "host_has", lambda feature: feature in ARM64_FEATURES)
+    try:
+        assert q8_tiles.instruction_set() == "neon" and q8_tiles.available()
+        assert plan.q8_activations("auto", Path("model.gguf"))
+        capabilities.available.cache_clear()
+        monkeypatch.setattr(capabilities, "host_has", lambda feature: feature in ARM64_FEATURES - {"dotprod"})
+        assert q8_tiles.instruction_set() is None and not plan.q8_activations("auto", Path("model.gguf"))
+    finally:
+        capabilities.available.cache_clear()
 
 
 def test_codespec_cpu_avx2_runs_the_avx2_kernels_on_a_higher_cpu(monkeypatch):
@@ -190,3 +224,5 @@ def test_the_portable_modules_compile_for_arm64_and_the_x86_ones_are_never_asked
         return
     assembly = native.assembly(MODULES[kernel](), cpu, triple=ARM64[cpu])
     assert "fmla" in assembly and "ymm" not in assembly and "xmm" not in assembly
+    if kernel == "q8 block tiles, neon":  # every form's integer sums in sdot, 16 bytes by 16 into 4 lanes
+        assert "sdot" in assembly  # (Apple's assembly spells it sdot.4s, Linux's sdot v0.4s)

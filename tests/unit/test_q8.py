@@ -9,7 +9,9 @@ from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 from codespec.forward import Rows, forward_path
 from tests.tiny import tiny_arch_model
-from tests.gguf_files import random_blocks, write_gguf
+from gguf import GGMLQuantizationType as Type, quants
+
+from tests.gguf_files import quantize, random_blocks, write_gguf
 
 
 
@@ -82,8 +84,59 @@ def test_the_tiles_hold_float16_scales_where_they_are_float16_values_and_float32
     assert blocks.weight(q8=True)[2] == q8_tiles.Form(nibbles=True, wide=False)
     blocks.d[0, 0] = 1 / 3  # not a float16 value
     assert blocks.weight(q8=True)[2] == q8_tiles.Form(nibbles=True, wide=True)
-    q8_0 = random_blocks("Q8_0", 16, 64)
-    assert q8_0.weight(q8=True)[2] == q8_tiles.Form(nibbles=False, minimum=isa == "vnni")
+    q8_0 = random_blocks("Q8_0", 16, 64)  # (VNNI: m = -128 d, formed in the tile)
+    assert q8_0.weight(q8=True)[2] == q8_tiles.Form(nibbles=False, minimum=isa == "vnni", offset=128 * (isa == "vnni"))
+
+
+@pytest.mark.needs_kernels("q8 block tiles")
+@pytest.mark.parametrize("kind", [Type.Q4_0, Type.Q5_0, Type.Q5_1, Type.Q5_K, Type.Q6_K])
+def test_five_and_six_bit_files_multiply_exactly_as_planes_of_bits_and_offsets(kind):
+    """A file's five- and six-bit blocks (Q5_*, Q6_K): on VNNI, nibbles and one or two planes of the higher bits
+    (0.625 and 0.75 bytes a weight), elsewhere bytes; a minimum that is -8, -16 or -32 d is formed in the tile, not
+    read. Against the float64 product of the rounded rows and gguf's own dequantisation, and a row alone gets the
+    bits it gets among 19."""
+    rng = np.random.default_rng(3)
+    raw = quantize(rng.standard_normal((40, 512)).astype(np.float32), kind)
+    blocks = block_tiles.Blocks.read(type("Tensor", (), {"name": "t", "tensor_type": kind, "data": raw}))
+    weight = blocks.weight(q8=True)
+    planes = {Type.Q5_0: 1, Type.Q5_1: 1, Type.Q5_K: 1, Type.Q6_K: 2}.get(kind, 0)
+    isa = q8_tiles.instruction_set()
+    assert blocks.q8_packed(isa)[2].planes == (planes if isa == "vnni" else 0)
+    assert blocks.q8_packed(isa)[2].offset == {Type.Q4_0: 8, Type.Q5_0: 16 if isa == "vnni" else 0,
+                                                Type.Q6_K: 32 if isa == "vnni" else 0}.get(kind, 0)
+    x = rng.standard_normal((19, 512)).astype(np.float32)
+    together = q8_tiles.linear(x, weight)
+    expected = rounded_reference(x) @ quants.dequantize(raw, kind).astype(np.float64).T
+    assert np.abs(together - expected).max() < 1e-5 * np.abs(expected).max()
+    for first, count in [(0, 1), (7, 1), (3, 4), (0, 8), (11, 8)]:
+        assert np.array_equal(q8_tiles.linear(np.ascontiguousarray(x[first : first + count]), weight),
+                              together[first : first + count])
+
+
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_the_planes_hold_each_weights_higher_bits_in_the_order_of_its_steps_bytes(monkeypatch, isa):
+    """The layout the VNNI tiles read (any CPU: the tiles are not compiled): per block, four steps of nibbles, then
+    a plane per bit past the fourth, step s's 64 weights in bits 64 s .. 64 s + 63; the offset form keeps only d."""
+    monkeypatch.setattr(q8_tiles, "tiles", lambda form: form)
+    monkeypatch.setattr(q8_tiles, "instruction_set", lambda: isa)
+    rng = np.random.default_rng(4)
+    raw = quantize(rng.standard_normal((16, 64)).astype(np.float32), Type.Q5_0)
+    blocks = block_tiles.Blocks.read(type("Tensor", (), {"name": "t", "tensor_type": Type.Q5_0, "data": raw}))
+    q, held, form, rows, _ = blocks.weight(q8=True)
+    values, d, _ = blocks.integers()  # -16..15, one scale a block
+    if isa == "avx2":  # bytes: the signed values plus 128, no minimum
+        assert form == q8_tiles.Form(nibbles=False, minimum=False) and q.shape == (1, 2 * 8 * 64)
+        return
+    assert form == q8_tiles.Form(nibbles=True, planes=1, offset=16) and form.slots == 1
+    assert q.shape == (1, 2 * 5 * 64) and held.shape == (1, 2 * 16 * 2)  # 2 blocks of 320 bytes; d as float16
+    unsigned = values + 16
+    for block in range(2):
+        steps = q[0, block * 320 : block * 320 + 256].reshape(4, 16, 4)
+        plane = np.unpackbits(q[0, block * 320 + 256 : block * 320 + 320], bitorder="little").reshape(8, 16, 4)
+        for step in range(8):
+            nibbles = steps[step % 4] & 15 if step < 4 else steps[step % 4] >> 4
+            got = nibbles | (plane[step] << 4)  # [column, 4 weights]
+            assert np.array_equal(got, unsigned[:, block, 4 * step : 4 * step + 4])
 
 
 @pytest.mark.needs_kernels("q8 block tiles")
@@ -131,8 +184,8 @@ def test_q8_is_refused_where_it_cannot_run(tmp_path):
         with pytest.raises(CodespecError, match="--prompt-precision bfloat16 multiplies prompts in PyTorch"):
             forward_path(model, gguf=path, prompt_precision="bfloat16", activations="q8")
         assert forward_path(model, gguf=path, prompt_precision="auto", activations="q8").prompt_weights is None
-    else:  # an AVX2 or ARM64 CPU: a one-line refusal, never an abort
-        with pytest.raises(CodespecError, match="--activations q8 needs a CPU with AVX512-VNNI"):
+    else:  # a CPU with neither AVX2 nor ARM64's dot product: a one-line refusal, never an abort
+        with pytest.raises(CodespecError, match="--activations q8 needs a CPU with AVX2"):
             forward_path(model, gguf=path, activations="q8")
     assert forward_path(model, gguf=path, prompt_precision="bfloat16", activations="float32").prompt_weights
 

@@ -481,13 +481,28 @@ class Blocks:
         if q8:
             from . import q8_tiles
 
-            bits = KINDS[self.kind].bits
-
-            def integers(first: int, last: int) -> tuple:
-                rows = self.rows(slice(first, last))
-                return (rows.as_kind("Q4_1") if bits == 4 else rows).integers()  # (Q4_0: m = -8 d)
-            return q8_tiles.repack(bits, self.q.shape[0], integers)
+            return q8_tiles.repack(KINDS[self.kind].bits, self.q.shape[0], self._q8_integers, self.planes())
         return (self.q, self.d, self.m, tiles(self.kind))
+
+    def q8_packed(self, isa: str) -> tuple:
+        """The blocks as the q8 tiles of instruction set `isa` read them, not compiled (q8_tiles.packed: for a CPU
+        this one is not, as tests/emulated/arm64.py prepares ARM64's)."""
+        from . import q8_tiles
+
+        return q8_tiles.packed(KINDS[self.kind].bits, self.q.shape[0], self._q8_integers, isa, self.planes())
+
+    def planes(self) -> int:
+        """1 where every weight is five bits (Q5_0, Q5_1 or Q5_K tensors), 2 where six (Q6_K), else 0: q8_tiles
+        holds those as nibbles and planes of the higher bits where it can."""
+        from . import q8_tiles
+
+        types = set(self.source.split("+"))
+        return next((planes for kinds, planes in q8_tiles.PLANES.items() if types <= set(kinds)), 0)
+
+    def _q8_integers(self, first: int, last: int) -> tuple:
+        """(q, d, m) of rows first..last as q8_tiles takes them: nibbles with a minimum (Q4_0: m = -8 d), or bytes."""
+        rows = self.rows(slice(first, last))
+        return (rows.as_kind("Q4_1") if KINDS[self.kind].bits == 4 else rows).integers()
 
 
 def _reader(path: Path):

@@ -22,6 +22,7 @@ NEEDS = {
     "four-row block tiles": ("avx512f",),  # their 3- and 4-row tiles: four rows' sums fit only 32 vector registers
     "q8 block tiles": ("avx2",),  # q8_tiles.py: a GGUF's blocks times rows rounded to 8 bits, vpmaddubsw
     "q8 block tiles, vnni": ("avx512vnni",),  # the same tiles in vpdpbusd, where the CPU has it
+    "q8 block tiles, neon": ("dotprod",),  # the same tiles in ARM64's sdot (the dot-product extension)
     "prompt attention": ("avx512bf16",),  # prompt_attention.py: bfloat16 pairs, vdpbf16ps
 }
 

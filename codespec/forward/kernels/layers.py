@@ -267,20 +267,34 @@ class Weights:
     def __init__(self, norms: list[torch.Tensor], biases: list, projections: list,
                  final_norm: torch.Tensor, head, q8: bool = False, qk_norms: Optional[list] = None):
         # typed lists: the layer loop (_layers) takes them whole
-        self.norms = numba.typed.List([n.detach().float().contiguous().numpy() for n in norms])
-        self.biases = numba.typed.List([EMPTY if b is None else b.detach().float().contiguous().numpy()
-                                        for b in biases])
-        self.qk_norms = numba.typed.List([NO_QK_NORM if n is None else n.detach().float().contiguous().numpy()
-                                          for n in (qk_norms or [None] * len(biases))])
+        self.norms = typed_list([n.detach().float().contiguous().numpy() for n in norms])
+        self.biases = typed_list([EMPTY if b is None else b.detach().float().contiguous().numpy() for b in biases])
+        self.qk_norms = typed_list([NO_QK_NORM if n is None else n.detach().float().contiguous().numpy()
+                                    for n in (qk_norms or [None] * len(biases))])
         kernel, self.nbytes = [], 0  # nbytes: what a forward reads
         for i, weight in enumerate(projections):
             kernel.append(_kernel_weight(weight, q8))
             self.nbytes += _reads(weight, kernel[-1], q8)
             projections[i] = None
-        self.projections = numba.typed.List(kernel)
+        self.projections = typed_list(kernel)
         self.final_norm = final_norm.detach().float().contiguous().numpy()
         self.head = _kernel_weight(head, q8)
         self.nbytes += _reads(head, self.head, q8)
+
+
+def typed_list(items: list) -> numba.typed.List:
+    """A numba typed list of `items` (all of one type), built in compiled code that numba caches: numba.typed.List
+    compiles its constructor and append for the items' type in every process (1.3 s of a second load of the
+    default model)."""
+    return _typed_list(tuple(items))
+
+
+@numba.njit(cache=True)
+def _typed_list(items):
+    listed = numba.typed.List()
+    for item in items:
+        listed.append(item)
+    return listed
 
 
 def _reads(weight, kernel_weight, q8: bool) -> int:

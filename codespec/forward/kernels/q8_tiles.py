@@ -45,24 +45,35 @@ class Form:
     """How `repack` holds a tensor's blocks: 4-bit nibbles (0..15) or bytes (signed values stored plus 128); one
     scale a block of 32 or two (one per 16 weights); a minimum (w = q d + m) or none; scales as float16 (the
     file's own, where they are float16 values) or float32 (wide: K-quants' sub-block scales, d times a 6-bit
-    integer). Per block and column group: `steps` 64-byte steps, then `slots` vectors of 16 scales (the d's, then
-    the m's)."""
+    integer); with `planes` 1 or 2, five- or six-bit weights (0..31: Q5_0 plus 16, Q5_1, Q5_K; 0..63: Q6_K plus
+    32) as their low nibbles and planes of their higher bits (the VNNI tiles'). Per block and column group: `steps`
+    64-byte steps (and 64 bytes a plane: step s's 64 weights in bits 64 s .. 64 s + 63, in the order of its bytes),
+    then `slots` vectors of 16 scales (the d's, then the m's; with `offset` the m's are not held but formed in the
+    tile, m = -offset d: the same float32 values, exactly, as Q4_0's -8 d, Q5_0's -16 d, Q6_K's -32 d and the VNNI
+    tiles' -128 d for bytes)."""
     nibbles: bool
     scales: int = 1
     minimum: bool = True
     wide: bool = False
+    planes: int = 0
+    offset: int = 0
 
     @property
     def name(self) -> str:
-        return f"{'n' if self.nibbles else 'b'}{self.scales}{'m' if self.minimum else ''}{'w' if self.wide else 'h'}"
+        return (f"{'n' if self.nibbles else 'b'}{self.scales}{'m' if self.minimum else ''}{'w' if self.wide else 'h'}"
+                f"{f'p{self.planes}' if self.planes else ''}{f'o{self.offset}' if self.offset else ''}")
 
     @property
     def steps(self) -> int:
         return 4 if self.nibbles else 8
 
     @property
+    def block_bytes(self) -> int:
+        return (self.steps + self.planes) * STEP_BYTES
+
+    @property
     def slots(self) -> int:
-        return self.scales * (2 if self.minimum else 1)
+        return self.scales * (2 if self.minimum and not self.offset else 1)
 
 
 def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
@@ -71,7 +82,7 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
     repacked blocks (q: form.steps 64-byte steps per block, s: form.slots vectors of 16 scales per block), with the
     integer sums of ISAS[isa]."""
     scalar = "float" if form.wide else "half"
-    block_bytes = form.steps * STEP_BYTES
+    block_bytes = form.block_bytes
     text = (f"define void @{name}(ptr noalias %x, i64 %K, ptr noalias %q, ptr noalias %s, i64 %g, ptr noalias %out, "
             f"i64 %N, i64 %r, ptr noalias %xd, ptr noalias %xs, ptr noalias %xh) {{\nentry:\n"
             f"  %blocks = udiv i64 %K, 32\n  %gb = mul i64 %g, %blocks\n")
@@ -96,20 +107,33 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
             weights += [(p, f"%w{p}"), (p + 4, f"%w{p + 4}")]
         else:
             weights.append((p, f"%qv{p}"))
+    for plane in range(form.planes):  # each step's bit 4 + plane, 64 of them, as a mask (AVX-512BW's byte masks)
+        text += (f"  %fp{plane} = getelementptr i8, ptr %qp, i64 {(form.steps + plane) * STEP_BYTES}\n"
+                 f"  %fv{plane} = load <8 x i64>, ptr %fp{plane}, align 1\n")
+        for step, vector in sorted(weights):
+            name = f"%f{plane}_{step}"
+            text += (f"  {name}.b = extractelement <8 x i64> %fv{plane}, i64 {step}\n"
+                     f"  {name}.m = bitcast i64 {name}.b to <64 x i1>\n"
+                     f"  {name}.s = select <64 x i1> {name}.m, <64 x i8> splat (i8 {16 << plane}), <64 x i8> "
+                     f"zeroinitializer\n  {name} = or <64 x i8> {vector}, {name}.s\n")
+            weights[[w for w, _ in weights].index(step)] = (step, name)
     text += f"  %so = mul i64 %gbb, {16 * form.slots}\n  %sp = getelementptr {scalar}, ptr %s, i64 %so\n"
     slots = [f"%d{i}" for i in range(form.scales)] + [f"%m{i}" for i in range(form.scales if form.minimum else 0)]
     for i, slot in enumerate(slots):
+        if i >= form.scales and form.offset:  # m = -offset d, exact
+            text += f"  {slot} = fmul <16 x float> %d{i - form.scales}, splat (float {-form.offset:.1f})\n"
+            continue
         text += (f"  {slot}.p = getelementptr {scalar}, ptr %sp, i64 {16 * i}\n"
                  f"  {slot}{'' if form.wide else '.h'} = load <16 x {scalar}>, ptr {slot}.p, align 2\n")
         if not form.wide:
             text += f"  {slot} = fpext <16 x half> {slot}.h to <16 x float>\n"
     text += "  %xb = mul i64 %b, 32\n  %hb = mul i64 %b, 2\n"
     weights = sorted(weights)
-    if isa == "avx2":
-        text += _avx2_weights(form, weights)
+    if isa in SHARED:
+        text += SHARED[isa](form, weights)
     for j in range(rows):
         # %ci{j}_{part}: the 16 columns' integer sums over the block (part 0), or over each half (parts 0, 1)
-        text += (_vnni_sums if isa == "vnni" else _avx2_sums)(form, weights, j)
+        text += SUMS[isa](form, weights, j)
         text += f"  %xdp{j} = getelementptr float, ptr %xd{j}, i64 %b\n" + splat(f"xdv{j}", f"%xdp{j}",
                                                                                     "<16 x float>", "float")
         terms = []  # (x, y) of each x * y added to the row's sums, in order
@@ -229,27 +253,74 @@ def _avx2_sums(form: Form, weights: list, j: int) -> str:
     return text
 
 
+def _neon_weights(form: Form, weights: list) -> str:
+    """Each step's 64 bytes as four 16-byte quarters %n{step}_{k} (columns 4k..4k + 3), shared by the rows; for
+    bytes the signed weights (the stored bytes less 128): sdot multiplies signed bytes by signed bytes."""
+    text = ""
+    for step, vector in weights:
+        if not form.nibbles:
+            text += f"  %n{step}.s = xor <64 x i8> {vector}, splat (i8 -128)\n"
+            vector = f"%n{step}.s"
+        for k in range(4):
+            text += (f"  %n{step}_{k} = shufflevector <64 x i8> {vector}, <64 x i8> poison, "
+                     f"<16 x i32> <{lanes(range(16 * k, 16 * k + 16))}>\n")
+    return text
+
+
+def _neon_sums(form: Form, weights: list, j: int) -> str:
+    """%ci{j}_{part}: row j's 16 integer sums in ARM64's sdot (16 signed bytes times 16, each four adjacent products
+    added into one of four 32-bit lanes: a quarter's four columns), one per quarter and step, in the VNNI tiles'
+    two chains (steps 0-3, 4-7): added for a form of one scale, each its own part for two. A product is at most
+    128 x 127 and a lane takes 32 a block: exact."""
+    chains = {(chain, k): "zeroinitializer" for chain in (0, 1) for k in range(4)}
+    text = ""
+    for step, _ in weights:
+        text += _row_inputs(j, step, 4)
+        for k in range(4):
+            name = f"%c{j}_{step}_{k}"
+            text += (f"  {name} = call <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32> {chains[step // 4, k]}, "
+                     f"<16 x i8> %n{step}_{k}, <16 x i8> %xv{j}_{step})\n")
+            chains[step // 4, k] = name
+    if form.scales == 1:
+        for k in range(4):
+            text += f"  %c{j}_{k} = add <4 x i32> {chains[0, k]}, {chains[1, k]}\n"
+        parts = {0: [f"%c{j}_{k}" for k in range(4)]}
+    else:
+        parts = {part: [chains[part, k] for k in range(4)] for part in (0, 1)}
+    for part, (a, b, c, d) in parts.items():  # four quarters into the 16 columns, in order
+        text += (f"  %ci{j}_{part}.l = shufflevector <4 x i32> {a}, <4 x i32> {b}, <8 x i32> <{lanes(range(8))}>\n"
+                 f"  %ci{j}_{part}.h = shufflevector <4 x i32> {c}, <4 x i32> {d}, <8 x i32> <{lanes(range(8))}>\n"
+                 f"  %ci{j}_{part} = shufflevector <8 x i32> %ci{j}_{part}.l, <8 x i32> %ci{j}_{part}.h, "
+                 f"<16 x i32> <{lanes(range(16))}>\n")
+    return text
+
+
+SHARED = {"avx2": _avx2_weights, "neon": _neon_weights}  # what a block's weights become once, for all the rows
+SUMS = {"vnni": _vnni_sums, "avx2": _avx2_sums, "neon": _neon_sums}
 ISAS = {  # the integer dot products' instruction sets: their entries in the capability table, the most rows a tile takes
     "vnni": ("q8 block tiles, vnni", 8),  # AVX512-VNNI's vpdpbusd: 32 registers of 16 lanes
     "avx2": ("q8 block tiles", 4),  # AVX2's vpmaddubsw and vpmaddwd (x86-64-v3): 16 registers of 8 lanes; 2 and 8
     # rows measured slower over 4 and 16 rows (the Qwen2.5-Coder-0.5B shape's MLP, 2-core AVX2)
+    "neon": ("q8 block tiles, neon", 4),  # ARM64's sdot (the dot-product extension: Apple M1 on, Neoverse N1 on):
+    # 32 registers of 4 lanes, as many bits as AVX2's; run emulated only (tests/emulated/arm64.py), not yet timed
 }
 DECLARATIONS = {
     "vnni": FMA_DECLARATION + "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n",
     "avx2": FMA_DECLARATION + "declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)\n"
     "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"
     "declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)\ndeclare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)\n",
+    "neon": FMA_DECLARATION + "declare <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32>, <16 x i8>, <16 x i8>)\n",
 }
 
 
 def instruction_set() -> str | None:
-    """The integer dot products this CPU runs the tiles in (capabilities.py: VNNI where present, else AVX2), or
-    None where it has neither (an ARM64 CPU: float32 activations)."""
+    """The integer dot products this CPU runs the tiles in (capabilities.py: VNNI where present, else AVX2; on ARM64
+    sdot), or None where it has none of them (float32 activations)."""
     return next((isa for isa, (kernel, _) in ISAS.items() if capabilities.available(kernel)), None)
 
 
 def available() -> bool:
-    """Whether this CPU runs the tiles (AVX2 or AVX512-VNNI)."""
+    """Whether this CPU runs the tiles (AVX2, AVX512-VNNI or ARM64's sdot)."""
     return instruction_set() is not None
 
 
@@ -339,39 +410,65 @@ def linear(x, weight):
 REPACK_ROWS = 4096  # rows repacked at a time (a multiple of COLUMNS): a 152k-row output layer's temporaries stay small
 
 
-def repack(bits: int, rows: int, integers) -> tuple:
-    """A GGUF tensor's blocks as `linear` takes them, from `integers(first, last)`: (q, d, m) of rows first..last,
-    q [rows, B, 32] integers (bits 4: nibbles 0..15, with a minimum m; bits 8: signed bytes), d and m
+def repack(bits: int, rows: int, integers, planes: int = 0) -> tuple:
+    """`packed`'s arrays for this CPU's instruction set, with the tiles compiled: what `linear` takes."""
+    q, held, form, rows, chunk_groups = packed(bits, rows, integers, instruction_set() or "avx2", planes)
+    return q, held, tiles(form), rows, chunk_groups
+
+
+OFFSETS = (8, 16, 32, 128)  # m = -offset d: Q4_0's, Q5_0's, Q6_K's (as q8_tiles holds them unsigned), bytes on VNNI
+PLANES = {("Q5_0", "Q5_1", "Q5_K"): 1, ("Q6_K",): 2}  # five- and six-bit GGUF types: their weights' planes past 4 bits
+
+
+def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
+    """A GGUF tensor's blocks as the tiles of instruction set `isa` read them, from `integers(first, last)`: (q, d,
+    m) of rows first..last, q [rows, B, 32] integers (bits 4: nibbles 0..15, with a minimum m; bits 8: signed bytes), d and m
     [rows, B, scales] (block_tiles.Blocks.integers; m None: none), taken REPACK_ROWS rows at a time. Columns are
-    padded to a multiple of 16 with zero weights. Both instruction sets take every form: vpdpbusd takes the stored
-    bytes as unsigned, so for the VNNI tiles a byte form's minimum is less 128 d (w = (q + 128) d + m - 128 d)."""
-    isa = instruction_set() or "avx2"
-    packed, slots, minimum = [], [], False
+    padded to a multiple of 16 with zero weights. Every instruction set takes every form: vpdpbusd takes the stored
+    bytes as unsigned, so for the VNNI tiles a byte form's minimum is less 128 d (w = (q + 128) d + m - 128 d).
+    `planes` 1 or 2: the blocks are five- or six-bit weights (PLANES), which the VNNI tiles hold as nibbles and
+    planes of the higher bits (0.625 and 0.75 bytes a weight against a byte): a block of signed weights (Q5_0's,
+    Q6_K's) plus 16 or 32, its minimum less 16 or 32 d. (q, scales, form, rows, column groups a thread takes at a
+    time)."""
+    stepped, slots, minimum = [], [], False
+    planes = planes if isa == "vnni" and bits == 8 else 0
     for first in range(0, rows, REPACK_ROWS):
         q, d, m = integers(first, min(rows, first + REPACK_ROWS))
-        if isa == "vnni" and bits == 8:
+        if planes:
+            half = 8 << planes
+            shift = np.where(q.min(axis=2, keepdims=True) < 0, half, 0)
+            q, m = q + shift, (0 if m is None else m) - shift * d
+            if q.min(initial=0) < 0 or q.max(initial=0) >= 2 * half:
+                raise ValueError(f"not {4 + planes}-bit weights")
+            bits = 4 + planes
+        elif isa == "vnni" and bits == 8:
             m = -128 * d if m is None else m - 128 * d
         minimum = m is not None
-        packed.append(_steps(bits, q))
+        stepped.append(_steps(bits, q))
         slots.append(np.concatenate([d] + ([] if m is None else [m]), axis=2))
     slots = np.concatenate(slots)
     _, blocks, count = slots.shape
+    scales = count // (2 if minimum else 1)
+    offset = next((k for k in OFFSETS if minimum and np.array_equal(slots[..., scales:], -k * slots[..., :scales])), 0)
+    if offset:  # the minimums are -offset d: formed in the tile, not read
+        slots, count = np.ascontiguousarray(slots[..., :scales]), scales
     wide = not np.array_equal(slots.astype(np.float16).astype(np.float32), slots)
-    form = Form(bits == 4, count // (2 if minimum else 1), minimum, wide)
+    form = Form(bits in (4, 5, 6), scales, minimum, wide, max(0, bits - 4) if bits < 8 else 0, offset)
     groups = -(-rows // COLUMNS)
     held = np.zeros((groups * COLUMNS, blocks, count), np.float32 if wide else np.float16)
     held[:rows] = slots
     # [group, column, block, slot] -> [group, block, slot, column]
     held = np.ascontiguousarray(held.reshape(groups, COLUMNS, blocks, count).transpose(0, 2, 3, 1))
-    packed, held = np.concatenate(packed), held.reshape(groups, -1).view(np.uint8)
-    group_bytes = packed.shape[1] + held.shape[1]
-    return (packed, held, tiles(form), rows, max(1, CHUNK_BYTES // group_bytes))
+    stepped, held = np.concatenate(stepped), held.reshape(groups, -1).view(np.uint8)
+    group_bytes = stepped.shape[1] + held.shape[1]
+    return (stepped, held, form, rows, max(1, CHUNK_BYTES // group_bytes))
 
 
 def _steps(bits: int, q: np.ndarray) -> np.ndarray:
-    """q [rows, B, 32] as the tiles read it, [groups, B * steps * 64] bytes: per block, step p holds weights
-    4p..4p + 3 of each of 16 columns (nibbles: step p in the low nibbles, step p + 4 in the high ones; bytes: the
-    signed values plus 128). Rows past the last are zero weights."""
+    """q [rows, B, 32] as the tiles read it, [groups, B * Form.block_bytes] bytes: per block, step p holds weights
+    4p..4p + 3 of each of 16 columns (nibbles: step p in the low nibbles, step p + 4 in the high ones; bits 5 and
+    6: those nibbles of 0..31 or 0..63, then a plane for each higher bit; bytes: the signed values plus 128). Rows
+    past the last are zero weights."""
     rows, blocks, _ = q.shape
     groups = -(-rows // COLUMNS)
     values = np.zeros((groups * COLUMNS, blocks, 32), np.uint8)
@@ -380,6 +477,12 @@ def _steps(bits: int, q: np.ndarray) -> np.ndarray:
         values += 128
     # [group, column, block, step, 4 weights] -> [group, block, step, column, 4 weights]
     steps = values.reshape(groups, COLUMNS, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    if bits in (5, 6):  # the low nibbles as bits 4 has them, then each plane: a step's bits in the order of its bytes
+        planes = [np.packbits((steps >> bit).reshape(groups, blocks, 8, 64) & 1, axis=3, bitorder="little")
+                  for bit in range(4, bits)]
+        low = (steps[:, :, :4] & 15) | ((steps[:, :, 4:] & 15) << 4)
+        steps = np.concatenate([low.reshape(groups, blocks, -1)] + [p.reshape(groups, blocks, -1) for p in planes],
+                               axis=2)
     if bits == 4:
         steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
     return np.ascontiguousarray(steps).reshape(groups, -1)
