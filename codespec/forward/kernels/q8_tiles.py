@@ -107,16 +107,17 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
             weights += [(p, f"%w{p}"), (p + 4, f"%w{p + 4}")]
         else:
             weights.append((p, f"%qv{p}"))
+    weights = sorted(weights)
     for plane in range(form.planes):  # each step's bit 4 + plane, 64 of them, as a mask (AVX-512BW's byte masks)
         text += (f"  %fp{plane} = getelementptr i8, ptr %qp, i64 {(form.steps + plane) * STEP_BYTES}\n"
                  f"  %fv{plane} = load <8 x i64>, ptr %fp{plane}, align 1\n")
-        for step, vector in sorted(weights):
+        for step, vector in weights:
             name = f"%f{plane}_{step}"
             text += (f"  {name}.b = extractelement <8 x i64> %fv{plane}, i64 {step}\n"
                      f"  {name}.m = bitcast i64 {name}.b to <64 x i1>\n"
                      f"  {name}.s = select <64 x i1> {name}.m, <64 x i8> splat (i8 {16 << plane}), <64 x i8> "
                      f"zeroinitializer\n  {name} = or <64 x i8> {vector}, {name}.s\n")
-            weights[[w for w, _ in weights].index(step)] = (step, name)
+        weights = [(step, f"%f{plane}_{step}") for step, _ in weights]
     text += f"  %so = mul i64 %gbb, {16 * form.slots}\n  %sp = getelementptr {scalar}, ptr %s, i64 %so\n"
     slots = [f"%d{i}" for i in range(form.scales)] + [f"%m{i}" for i in range(form.scales if form.minimum else 0)]
     for i, slot in enumerate(slots):
@@ -128,7 +129,6 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
         if not form.wide:
             text += f"  {slot} = fpext <16 x half> {slot}.h to <16 x float>\n"
     text += "  %xb = mul i64 %b, 32\n  %hb = mul i64 %b, 2\n"
-    weights = sorted(weights)
     if isa in SHARED:
         text += SHARED[isa](form, weights)
     for j in range(rows):
@@ -309,7 +309,8 @@ DECLARATIONS = {
     "avx2": FMA_DECLARATION + "declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)\n"
     "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"
     "declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)\ndeclare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)\n",
-    "neon": FMA_DECLARATION + "declare <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32>, <16 x i8>, <16 x i8>)\n",
+    "neon": FMA_DECLARATION
+    + "declare <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32>, <16 x i8>, <16 x i8>)\n",
 }
 
 
@@ -422,9 +423,9 @@ PLANES = {("Q5_0", "Q5_1", "Q5_K"): 1, ("Q6_K",): 2}  # five- and six-bit GGUF t
 
 def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
     """A GGUF tensor's blocks as the tiles of instruction set `isa` read them, from `integers(first, last)`: (q, d,
-    m) of rows first..last, q [rows, B, 32] integers (bits 4: nibbles 0..15, with a minimum m; bits 8: signed bytes), d and m
-    [rows, B, scales] (block_tiles.Blocks.integers; m None: none), taken REPACK_ROWS rows at a time. Columns are
-    padded to a multiple of 16 with zero weights. Every instruction set takes every form: vpdpbusd takes the stored
+    m) of rows first..last, q [rows, B, 32] integers (bits 4: nibbles 0..15, with a minimum m; bits 8: signed
+    bytes), d and m [rows, B, scales] (block_tiles.Blocks.integers; m None: none), taken REPACK_ROWS rows at a
+    time. Columns are padded to a multiple of 16 with zero weights. Every instruction set takes every form: vpdpbusd takes the stored
     bytes as unsigned, so for the VNNI tiles a byte form's minimum is less 128 d (w = (q + 128) d + m - 128 d).
     `planes` 1 or 2: the blocks are five- or six-bit weights (PLANES), which the VNNI tiles hold as nibbles and
     planes of the higher bits (0.625 and 0.75 bytes a weight against a byte): a block of signed weights (Q5_0's,
@@ -432,6 +433,7 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
     time)."""
     stepped, slots, minimum = [], [], False
     planes = planes if isa == "vnni" and bits == 8 else 0
+    stored = 4 + planes if planes else bits  # the bits _steps lays out
     for first in range(0, rows, REPACK_ROWS):
         q, d, m = integers(first, min(rows, first + REPACK_ROWS))
         if planes:
@@ -439,12 +441,11 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
             shift = np.where(q.min(axis=2, keepdims=True) < 0, half, 0)
             q, m = q + shift, (0 if m is None else m) - shift * d
             if q.min(initial=0) < 0 or q.max(initial=0) >= 2 * half:
-                raise ValueError(f"not {4 + planes}-bit weights")
-            bits = 4 + planes
+                raise ValueError(f"not {stored}-bit weights")
         elif isa == "vnni" and bits == 8:
             m = -128 * d if m is None else m - 128 * d
         minimum = m is not None
-        stepped.append(_steps(bits, q))
+        stepped.append(_steps(stored, q))
         slots.append(np.concatenate([d] + ([] if m is None else [m]), axis=2))
     slots = np.concatenate(slots)
     _, blocks, count = slots.shape
@@ -453,7 +454,7 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
     if offset:  # the minimums are -offset d: formed in the tile, not read
         slots, count = np.ascontiguousarray(slots[..., :scales]), scales
     wide = not np.array_equal(slots.astype(np.float16).astype(np.float32), slots)
-    form = Form(bits in (4, 5, 6), scales, minimum, wide, max(0, bits - 4) if bits < 8 else 0, offset)
+    form = Form(stored < 8, scales, minimum, wide, planes, offset)
     groups = -(-rows // COLUMNS)
     held = np.zeros((groups * COLUMNS, blocks, count), np.float32 if wide else np.float16)
     held[:rows] = slots
