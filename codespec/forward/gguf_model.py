@@ -2,9 +2,10 @@
 
 Where the lean forward runs every forward in the block kernels (a CPU in float32, --weights auto or gguf,
 --invariant on: the defaults), the model's projections are never multiplied in PyTorch, so they need not exist as
-float32 tensors. `load` then builds the transformers model from the file's metadata with each projection (and the
-embedding and output layer) a placeholder that holds no memory (one zero, broadcast to the weight's shape); the
-norms and Qwen2's q/k/v biases, a few hundred KB, come from the file. The lean forward reads the blocks from the
+float32 tensors. `load` then builds the model from the file's metadata (DirectModel: transformers' tree of parts
+without its model classes) with each projection (and the embedding and output layer) a placeholder that holds no
+memory (one zero, broadcast to the weight's shape); the norms and Qwen2's q/k/v biases, a few hundred KB, come from
+the file. The lean forward reads the blocks from the
 file (block_tiles.read_gguf) and looks embeddings up in the file's own blocks. The config and the tokenizer
 (transformers builds both from the GGUF's `tokenizer.ggml.*` metadata) are saved beside the models the first time,
 so a second load reads neither the vocabulary arrays nor any weight through transformers.
@@ -58,15 +59,20 @@ def placeholder(shape) -> torch.nn.Parameter:
 
 def metadata(path: Path, folder: Path):
     """(config, tokenizer) of the GGUF at `path`: from `folder` when saved there, else built by transformers from the
-    file's metadata and saved there (the first load)."""
-    from transformers import AutoConfig, AutoTokenizer
+    file's metadata and saved there (the first load). The config is transformers' base class holding the saved
+    fields: its Llama and Qwen classes (and AutoConfig, and AutoTokenizer without a config) import
+    torch.distributed.tensor and torch._dynamo, 1.7 s of every load."""
+    from transformers import AutoTokenizer, PretrainedConfig
 
     stamp = folder / "source.json"
     if stamp.is_file():
         try:
-            return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+            config = PretrainedConfig(**json.loads((folder / "config.json").read_text()), name_or_path=str(folder))
+            return config, AutoTokenizer.from_pretrained(folder, config=config)
         except Exception:  # a damaged copy: built again below
             pass
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -77,7 +83,7 @@ def metadata(path: Path, folder: Path):
     key_length = block_tiles.field(path, f"{block_tiles.architecture(path)}.attention.key_length")
     if key_length is not None:  # (transformers' mapping misses Qwen3's head size, wider than hidden / heads)
         config_dict["head_dim"] = int(key_length)
-    config = AutoConfig.for_model(**config_dict)
+    config = AutoConfig.for_model(**config_dict)  # (every field, defaults included: what a later load reads)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(folder)
@@ -85,43 +91,100 @@ def metadata(path: Path, folder: Path):
         stamp.write_text(json.dumps({"gguf": str(path)}))
     except OSError:
         pass  # a read-only cache: built from the file again next time
-    return config, tokenizer
+    return PretrainedConfig(**config.to_dict(), name_or_path=str(folder)), tokenizer  # (the name: adaptive's cost cache)
+
+
+class Held(torch.nn.Module):
+    """A part of the model read directly: only what it holds (transformers' attribute names, no forward of its own:
+    the lean forward runs it)."""
+
+    def __init__(self, **parts):
+        super().__init__()
+        for name, part in parts.items():
+            setattr(self, name, part)
+
+
+class Rotary(torch.nn.Module):
+    """The rotary embedding's frequencies and its factor on cos and sin, as transformers' rotary modules compute them
+    at load (the rope types plan.STATIC_ROPE names)."""
+
+    def __init__(self, config):
+        super().__init__()
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") == "default":
+            dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            inv_freq, self.attention_scaling = 1.0 / (rope.get("rope_theta", 10000.0) ** (
+                torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+
+class DirectModel(torch.nn.Module):
+    """A Llama, Qwen2 or Qwen3 model read directly from its GGUF: transformers' tree of parts (model.layers[i].self_attn.
+    q_proj.weight, ...; what the plan and the lean forward read) with the projections placeholders, without
+    transformers' model classes (importing them took 1 s of every load)."""
+
+    def __init__(self, config, path: Path):
+        super().__init__()
+        self.config, self.gguf_direct = config, path  # (the file the lean forward reads: plan.resolve takes it)
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        # q/k/v biases: Qwen2's always, the others' where the config says (and then on o too: the plan refuses that)
+        biased = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        o_biased = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
+
+        def linear(outputs: int, inputs: int, bias: bool = False) -> Held:
+            return Held(weight=placeholder((outputs, inputs)), bias=placeholder((outputs,)) if bias else None)
+
+        def norm(size: int) -> Held:
+            return Held(weight=torch.nn.Parameter(torch.ones(size), requires_grad=False))
+
+        def layer() -> Held:
+            q, kv, inner = heads * head_dim, kv_heads * head_dim, config.intermediate_size
+            attention = Held(q_proj=linear(q, hidden, biased), k_proj=linear(kv, hidden, biased),
+                             v_proj=linear(kv, hidden, biased), o_proj=linear(hidden, q, o_biased))
+            if config.model_type == "qwen3":
+                attention.q_norm, attention.k_norm = norm(head_dim), norm(head_dim)
+            mlp = Held(gate_proj=linear(inner, hidden), up_proj=linear(inner, hidden), down_proj=linear(hidden, inner))
+            return Held(self_attn=attention, mlp=mlp, input_layernorm=norm(hidden), post_attention_layernorm=norm(hidden))
+
+        self.model = Held(embed_tokens=Held(weight=placeholder((config.vocab_size, hidden))),
+                          layers=torch.nn.ModuleList(layer() for _ in range(config.num_hidden_layers)),
+                          norm=norm(hidden), rotary_emb=Rotary(config))
+        self.lm_head = Held(weight=self.model.embed_tokens.weight if getattr(config, "tie_word_embeddings", False)
+                            else placeholder((config.vocab_size, hidden)))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
 
 
 def load(path: Path, folder: Path):
-    """(model, tokenizer) for the GGUF at `path`, its projections placeholders (the lean forward reads the file's
-    blocks), its norms and biases from the file; `folder` keeps the config and tokenizer between loads."""
-    from transformers import AutoModelForCausalLM
-
+    """(model, tokenizer) for the GGUF at `path`: a DirectModel, its projections placeholders (the lean forward reads
+    the file's blocks), its norms and biases from the file; `folder` keeps the config and tokenizer between loads."""
     config, tokenizer = metadata(path, folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = DirectModel(config, path)
     tensors = {t.name: t for t in block_tiles._reader(path).tensors}
     small = {"model.norm.weight": "output_norm.weight"} | {
         f"model.layers.{i}.{name}": f"blk.{i}.{gguf_name}"
         for i in range(config.num_hidden_layers) for gguf_name, name in NAMES.items()}
     for name, parameter in list(model.named_parameters()):
-        module_name, _, attribute = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if name in small:
-            if small[name] not in tensors:
-                raise CodespecError(f"{path.name} has no tensor {small[name]} (for {name})")
-            values = torch.from_numpy(np.array(tensors[small[name]].data, dtype=np.float32))
-            if values.numel() != parameter.numel():
-                raise CodespecError(f"{path.name}'s metadata does not match its tensors: {small[name]} has "
-                                    f"{values.numel()} values, the model its metadata describes {parameter.numel()}")
-            values = values.reshape(parameter.shape)
-            setattr(module, attribute, torch.nn.Parameter(values, requires_grad=False))
-        else:
-            setattr(module, attribute, placeholder(parameter.shape))
-    if getattr(config, "tie_word_embeddings", False):
-        model.lm_head.weight = model.model.embed_tokens.weight
-    with torch.device("cpu"):  # (its buffers were made on the meta device)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
-    if left:
-        raise CodespecError(f"reading {path.name} directly left {', '.join(left[:3])} unmade: use --weights checkpoint")
-    model.gguf_direct = path  # the file the lean forward reads (plan.resolve takes it as --weights gguf)
+        if name not in small:
+            continue
+        if small[name] not in tensors:
+            raise CodespecError(f"{path.name} has no tensor {small[name]} (for {name})")
+        values = torch.from_numpy(np.array(tensors[small[name]].data, dtype=np.float32))
+        if values.numel() != parameter.numel():
+            raise CodespecError(f"{path.name}'s metadata does not match its tensors: {small[name]} has "
+                                f"{values.numel()} values, the model its metadata describes {parameter.numel()}")
+        parameter.data = values.reshape(parameter.shape)
     model.eval()
     torch.set_grad_enabled(False)
     return model, tokenizer
@@ -131,15 +194,15 @@ def materialized(model):
     """A float32 transformers model with the weights of the GGUF that `model` (read directly) reads: each the
     blocks' values, as the lean forward multiplies them. For transformers' own forward (the bench's transformers
     rows, the tests' reference); it takes the model's size in float32."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = model.gguf_direct
-    fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    fields = model.config.to_dict() | {"model_type": model.config.model_type}  # (the base class's to_dict says "")
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
     small = {name: p for name, p in model.named_parameters() if p.untyped_storage().nbytes() > 4}
     fresh.load_state_dict(small, strict=False)
     from .lean import rotary_order
 
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     block_tiles.read_gguf(path, fresh, rotary_order(head_dim), 1.0, permuted=block_tiles.architecture(path) == "llama")
-    fresh.generation_config = model.generation_config
     return fresh.eval()

@@ -41,6 +41,7 @@ from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWin
 
 from ..errors import CodespecError
 from .kernels import attention, block_tiles, layers, prompt_attention, q8_tiles
+from . import repacked
 from .plan import ForwardPlan, lean_unsupported, resolve
 from .projections import Linear, bfloat16_weight, project
 from .rows import Rows, StaticCache
@@ -105,12 +106,13 @@ class LeanLlama:
             scale = 1.0
         blocks = None  # --weights gguf: the file's own blocks, whose values replace the model's weights first
         self.gguf_source = (plan.gguf, model, order, scale)  # (read again where q8's repacked copies replaced them)
-        if plan.gguf is not None:
-            blocks = block_tiles.read_gguf(*self.gguf_source)
-        inner = model.model
-        self.layer_count = len(inner.layers)
         # a model read directly from its GGUF (gguf_model.py) has no float weights: only the blocks' kernels run
         self.direct = getattr(model, "gguf_direct", None) is not None
+        self.on_disk = self._from_disk(plan)  # its projections as the q8 tiles read them, kept by an earlier load
+        if plan.gguf is not None:
+            blocks = block_tiles.read_gguf(*self.gguf_source, projections=self.on_disk is None)
+        inner = model.model
+        self.layer_count = len(inner.layers)
         self.embed = inner.embed_tokens.weight
         self.embed_blocks = blocks["embed"] if self.direct else None  # (embeddings looked up in the file's blocks)
         self.norm = inner.norm.weight
@@ -178,14 +180,21 @@ class LeanLlama:
         self.q8 = plan.activations == "q8"
         if previous is None or (previous.weights, previous.activations) != (plan.weights, plan.activations):
             # (built only when what the kernels read changes: the q8 tiles' repacked copies, ~0.7 s)
-            if self.blocks is not None and "layers" not in self.blocks:  # given up for q8's copies: read again
-                self.blocks = block_tiles.read_gguf(*self.gguf_source)
-            if self.blocks is not None:
+            kept, self.on_disk = (self.on_disk or self._from_disk(plan)) if self.q8 else None, None
+            if kept is not None:  # repacked by an earlier load
+                projections, head = kept[:-1], kept[-1]
+            elif self.blocks is not None:
+                if "layers" not in self.blocks:  # given up for q8's copies, or not read: read now
+                    self.blocks = block_tiles.read_gguf(*self.gguf_source)
                 # with q8 the repacked copies replace the blocks, each given up as it is repacked (layers.Weights):
                 # a load holds one copy of the weights
-                kept = self.blocks.pop("layers") if self.q8 else self.blocks["layers"]
-                projections, head = [b for layer in kept for b in layer], self.blocks["head"]
-                del kept
+                layered = self.blocks.pop("layers") if self.q8 else self.blocks["layers"]
+                projections, head = [b for layer in layered for b in layer], self.blocks["head"]
+                del layered
+                if self.q8 and self.direct:  # repacked here (in place: each block goes), and kept for the next load
+                    projections.append(head)
+                    self._repacked(projections)
+                    head = projections.pop()
             else:
                 projections, head = list(self.projections), self.lm_head.weight  # (a list Weights consumes)
             self.kernel_weights = (layers.Weights(self._norms, self.biases, projections, self.norm, head, q8=self.q8,
@@ -200,6 +209,22 @@ class LeanLlama:
             lows = (bfloat16_weight(w, self.packed) for w in self.projections)  # qkv, o, gate_up, down per layer
             self.prompt_weights = [w if i % 6 in (0, 3) else next(lows) for i, w in enumerate(self.weights)]
         self.cache_dtype = {"f16": torch.float16, "q8": torch.int8}.get(plan.cache, self.dtype)
+
+    def _from_disk(self, plan: ForwardPlan) -> Optional[list[tuple]]:
+        """The projections and output layer as q8_tiles.packed gave them to an earlier load of the same file (a model
+        read directly, with q8 activations: forward/repacked.py), or None."""
+        if not self.direct or plan.gguf is None or plan.activations != "q8" or q8_tiles.instruction_set() is None:
+            return None
+        kept = repacked.load(plan.gguf, q8_tiles.instruction_set(), self.gguf_source[3])
+        return kept if kept is not None and len(kept) == 4 * len(self.model.model.layers) + 1 else None
+
+    def _repacked(self, weights: list) -> None:
+        """Replace each of `weights` (blocks) with what q8_tiles.packed makes of it, so that each block is let go once
+        repacked (a load holds one copy of the weights), and keep them on disk for the next load."""
+        isa = q8_tiles.instruction_set() or "avx2"  # (none: the tiles say what they lack when compiled, as repack)
+        for i, weight in enumerate(weights):
+            weights[i] = weight.q8_packed(isa)
+        repacked.save(self.gguf_source[0], isa, self.gguf_source[3], weights)
 
     def replan(self, **changes) -> None:
         """This forward's plan with `changes` (resolve's settings), resolved and applied. A setting not changed that

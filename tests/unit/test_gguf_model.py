@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Type
 from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, forward_path, gguf_model, models
+from codespec.forward.plan import lean_unsupported
 from tests.gguf_files import k_quant_model, q4_k_m, write_gguf
 from tests.tiny import tiny_arch_model, tiny_tokenizer
 
@@ -145,3 +146,68 @@ def test_released_pages_of_the_mapped_file_read_back_the_same(tmp_path):
     before = np.array(tensor.data)
     block_tiles.release(reader, tensor)
     assert np.array_equal(np.array(tensor.data), before)
+
+
+@pytest.mark.needs_kernels("q8 block tiles")
+def test_a_second_load_maps_the_q8_tiles_copy_the_first_kept_and_gives_the_same_logits(tmp_path, monkeypatch):
+    """The first load of a file read directly keeps its projections as the q8 tiles read them (forward/repacked.py);
+    the next reads only the output layer from the file, maps the copy, and its logits are the first's, bit for bit.
+    A damaged copy, or another file written at the same path, is packed afresh; a place nothing can be written to
+    keeps nothing, and the load goes on."""
+    from codespec.forward.kernels import block_tiles
+
+    monkeypatch.setenv("CODESPEC_HOME", str(tmp_path / "home"))
+    model = k_quant_model("llama")
+    path, loaded, _ = direct(tmp_path, model, projections=q4_k_m)
+    prompt, draft = list(range(5, 45)), [11, 12, 13, 14, 15]
+
+    def logits_and_reads():
+        read, reads = block_tiles.Blocks.read, []
+        monkeypatch.setattr(block_tiles.Blocks, "read", lambda tensor: reads.append(tensor.name) or read(tensor))
+        lean = forward_path(loaded, invariant=True, activations="q8")
+        monkeypatch.setattr(block_tiles.Blocks, "read", read)
+        cache = lean.new_cache()
+        lean(cache, prompt, 1)
+        return lean(cache, draft, len(draft)), reads
+
+    first, reads = logits_and_reads()
+    assert len(reads) == 7 * model.config.num_hidden_layers + 2  # (and the output layer and the embedding)
+    [kept] = (tmp_path / "home" / "repacked").iterdir()
+    again, reads = logits_and_reads()
+    assert reads == ["output.weight", "token_embd.weight"] and torch.equal(again, first)
+    size = kept.stat().st_size
+    with open(kept, "r+b") as file:  # damaged: cut short
+        file.truncate(size // 2)
+    again, reads = logits_and_reads()
+    assert len(reads) > 1 and torch.equal(again, first) and kept.stat().st_size == size
+    other = k_quant_model("llama")
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.mul_(2)
+    write_gguf(path, other, permute=True, projections=q4_k_m)  # another file at the same path
+    changed, reads = logits_and_reads()
+    assert len(reads) > 1 and not torch.equal(changed, first)
+    monkeypatch.setenv("CODESPEC_HOME", str(path))  # under a file: nothing can be written there
+    again, reads = logits_and_reads()
+    assert len(reads) > 1 and torch.equal(again, changed) and not list(tmp_path.glob("**/*.partial"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("rope", [None, "llama3", "linear", "yarn"])
+def test_a_direct_model_is_transformers_tree_of_parts_and_rotary_frequencies(kind, rope):
+    """DirectModel (no transformers model class: importing those took a second of every load) has the parameters,
+    shapes and biases transformers' model of the same config has, and its rotary frequencies and factor on cos and
+    sin are the ones transformers' rotary module computes, rope scaling included."""
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    from tests.unit.test_forward import ROPE_SCALING
+
+    config = tiny_arch_model(kind, dtype=torch.float32).config
+    if rope is not None:
+        config.rope_parameters = ROPE_SCALING[rope]
+    theirs = AutoModelForCausalLM.from_config(config)
+    ours = gguf_model.DirectModel(PretrainedConfig(**config.to_dict()), "model.gguf")
+    assert {name: p.shape for name, p in ours.named_parameters()} == {
+        name: p.shape for name, p in theirs.named_parameters()}
+    assert torch.equal(ours.model.rotary_emb.inv_freq, theirs.model.rotary_emb.inv_freq)
+    assert ours.model.rotary_emb.attention_scaling == theirs.model.rotary_emb.attention_scaling
+    assert lean_unsupported(ours) is None and lean_unsupported(theirs) is None

@@ -585,13 +585,16 @@ def _unsupported(tensors) -> str | None:
     return None
 
 
-def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bool | None = None) -> dict:
+def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bool | None = None,
+              projections: bool = True) -> dict:
     """Read the blocks of `path` (the GGUF `model` was converted from), overwrite the model's float32
     weights with their values, and return the blocks the lean forward needs, its rows in its own order (q and
     k heads with rows reordered by `order`, q's times `scale`): {"layers": [qkv, o, gate_up, down] per layer,
     "head": the output layer, "embed": the embedding's}. A model read directly from the file (gguf_model.py: its
     weights placeholders) is left as it is. permuted: whether q and k rows are in llama.cpp's order for Llama (None:
-    whichever of the two orders the model's own weights match; a direct model: the file's architecture says)."""
+    whichever of the two orders the model's own weights match; a direct model: the file's architecture says).
+    projections False (a direct model whose projections the q8 tiles' copy on disk holds: forward/repacked.py):
+    only "head" and "embed"."""
     try:
         reader = _reader(path)
     except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
@@ -644,7 +647,8 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bo
         return found.rows(lean_rows.numpy())
 
     layers = []
-    for i, layer in enumerate(inner.layers):
+    heads_only = direct and not projections  # (a model with float weights has them overwritten, always)
+    for i, layer in enumerate([] if heads_only else inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q = heads_part(f"blk.{i}.attn_q.weight", attn.q_proj.weight, heads).scaled(scale)
         k = heads_part(f"blk.{i}.attn_k.weight", attn.k_proj.weight, kv_heads)
@@ -663,7 +667,8 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bo
     if head_name == "output.weight":  # untied: the embedding table has its own blocks
         embed = blocks("token_embd.weight")
         load(inner.embed_tokens.weight, _shaped(embed, direct), "token_embd.weight")
-    return {"layers": layers, "head": head, "embed": embed}
+    read = {"head": head, "embed": embed}
+    return read if heads_only else read | {"layers": layers}
 
 
 def _shaped(blocks: Blocks, direct: bool) -> torch.Tensor:

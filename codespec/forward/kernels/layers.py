@@ -300,12 +300,16 @@ def _typed_list(items):
 def _reads(weight, kernel_weight, q8: bool) -> int:
     """The bytes a forward reads of one projection: 16 bits a weight, the float tiles' blocks and float32 scales, or
     q8_tiles' repacked blocks and scales."""
-    if not isinstance(weight, block_tiles.Blocks):
+    if isinstance(weight, torch.Tensor):
         return weight.numel() * 2
     return kernel_weight[0].nbytes + kernel_weight[1].nbytes if q8 else weight.nbytes()
 
 
 def _kernel_weight(weight, q8: bool):
+    """A projection as its kernels take it: a tensor's 16 high bits, a GGUF's blocks (repacked for the q8 tiles with
+    q8), or the q8 tiles' repacked copy as it is (q8_tiles.packed's tuple, from the disk: forward/repacked.py)."""
+    if isinstance(weight, tuple):
+        return q8_tiles.compiled(weight)
     return weight.weight(q8) if isinstance(weight, block_tiles.Blocks) else high_halves(weight)
 
 

@@ -413,7 +413,13 @@ REPACK_ROWS = 4096  # rows repacked at a time (a multiple of COLUMNS): a 152k-ro
 
 def repack(bits: int, rows: int, integers, planes: int = 0) -> tuple:
     """`packed`'s arrays for this CPU's instruction set, with the tiles compiled: what `linear` takes."""
-    q, held, form, rows, chunk_groups = packed(bits, rows, integers, instruction_set() or "avx2", planes)
+    return compiled(packed(bits, rows, integers, instruction_set() or "avx2", planes))
+
+
+def compiled(weight: tuple) -> tuple:
+    """What `linear` takes for `packed`'s tuple (made here, or kept on disk: forward/repacked.py): its form's tiles
+    compiled for this CPU in place of the form."""
+    q, held, form, rows, chunk_groups = weight
     return q, held, tiles(form), rows, chunk_groups
 
 
