@@ -36,6 +36,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="Predicted Outputs through the HTTP server: each edit plain, with the default chain, and "
                             "with the chain and a prediction: the model's own answer, the original code, another "
                             "function's (writes predicted.json)")
+    bench.add_argument("--predictions", metavar="CONFIGS",
+                       help="the --predicted configurations to run, comma-separated, the default chain always among "
+                            "them (default: plain,default chain,its own text,the original,a wrong one)")
     bench.add_argument("--alternatives", action="store_true",
                        help="n_cmpl through the HTTP server: /infill with 1 and 3 alternatives on the completion "
                             "workloads, greedy and sampled, prompt cached and cold (writes alternatives.json)")
@@ -153,10 +156,11 @@ def run(args) -> int:
         (out / "alternatives.json").write_text(json.dumps({"alternatives": rows}, indent=2))
         return 0
     if args.predicted:
-        from .predicted import CONFIGS, format_predicted, run_predicted, workloads
+        from .predicted import chosen, format_predicted, run_predicted, workloads
 
-        with tqdm(total=len(workloads()) * len(CONFIGS) * repeats, desc="predicted", unit="run") as progress:
-            rows = run_predicted(engine, max_tokens, repeats, progress=progress)
+        configs = chosen(args.predictions)
+        with tqdm(total=len(workloads()) * len(configs) * repeats, desc="predicted", unit="run") as progress:
+            rows = run_predicted(engine, max_tokens, repeats, progress=progress, configs=configs)
         print(format_predicted(rows))
         (out / "predicted.json").write_text(json.dumps({"predicted": rows, "max_tokens": max_tokens}, indent=2))
         return 0

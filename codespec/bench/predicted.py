@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import httpx
 
 from ..config import ServerConfig
+from ..errors import CodespecError
 from .workloads import EDITS, edit_request, stdlib_source
 
 FAST_APPLY = [  # (module, function, a changed line the lazy edit shows, the line it replaces)
@@ -30,6 +31,19 @@ FAST_APPLY = [  # (module, function, a changed line the lazy edit shows, the lin
      "    chunks = [c for c in chunks if c]"),
 ]
 CONFIGS = ("plain", "default chain", "its own text", "the original", "a wrong one")  # (the prediction's)
+
+
+def chosen(names: str | None) -> tuple[str, ...]:
+    """The configurations --predictions names (comma-separated; None: all), in CONFIGS' order, the default chain
+    always among them (the ratios' base); "its own text" needs "plain" (its prediction is plain's answer)."""
+    if names is None:
+        return CONFIGS
+    wanted = {name.strip() for name in names.split(",") if name.strip()} | {"default chain"}
+    if unknown := wanted - set(CONFIGS):
+        raise CodespecError(f"--predictions: unknown {', '.join(sorted(unknown))} (choose from {', '.join(CONFIGS)})")
+    if "its own text" in wanted:
+        wanted.add("plain")
+    return tuple(config for config in CONFIGS if config in wanted)
 
 
 def fast_apply_request(module: str, qualname: str, new_line: str, old_line: str) -> tuple[str, str]:
@@ -96,24 +110,26 @@ def one(client: httpx.Client, message: str, max_tokens: int, plain: bool = False
             **data["usage"]["completion_tokens_details"]}
 
 
-def run_predicted(engine, max_tokens: int, repeats: int, progress=None) -> list[dict]:
-    """Every workload in every configuration, `repeats` interleaved rounds: one row per (workload, config)."""
+def run_predicted(engine, max_tokens: int, repeats: int, progress=None, configs: tuple = CONFIGS) -> list[dict]:
+    """Every workload in each of `configs` (chosen's), `repeats` interleaved rounds, each round in the reverse order of
+    the one before: one row per (workload, config), with the median of its paired ratios to the default chain's
+    decode tok/s (round by round: the host's drift cancels)."""
     work = workloads()
     rows = []
     with serving(engine) as client:
         for index, (name, message, prediction) in enumerate(work):
             wrong = work[(index + 1) % len(work)][2]  # another function's code
-            runs = {config: [] for config in CONFIGS}
+            runs = {config: [] for config in configs}
             one(client, message, 8, plain=True)  # warm the path (plain: teaches the pool nothing)
-            for _ in range(repeats):
-                for config in CONFIGS:
+            for round_ in range(repeats):
+                for config in configs if round_ % 2 == 0 else configs[::-1]:
                     engine.shared.pool.reset()  # no run drafts from what an earlier one taught the shared pool
-                    predicted = {"its own text": runs["plain"][0]["text"] if runs["plain"] else None,
+                    predicted = {"its own text": runs["plain"][0]["text"] if runs.get("plain") else None,
                                  "the original": prediction, "a wrong one": wrong}.get(config)
                     runs[config].append(one(client, message, max_tokens, config == "plain", predicted))
                     if progress is not None:
                         progress.update()
-            plain_text = runs["plain"][0]["text"]
+            plain_text = runs["plain" if "plain" in runs else "default chain"][0]["text"]
             base = {key: statistics.median(r[key] for r in runs["default chain"]) for key in ("end_to_end", "decode")}
             for config, results in runs.items():
                 median = {key: statistics.median(r[key] for r in results)
@@ -124,6 +140,8 @@ def run_predicted(engine, max_tokens: int, repeats: int, progress=None) -> list[
                              "decode_spread": [round(min(r["decode"] for r in results), 1),
                                                round(max(r["decode"] for r in results), 1)],
                              "decode_vs_default_chain": round(median["decode"] / base["decode"], 3),
+                             "paired_vs_default_chain": round(statistics.median(
+                                 r["decode"] / c["decode"] for r, c in zip(results, runs["default chain"])), 3),
                              "end_to_end_vs_default_chain": round(median["end_to_end"] / base["end_to_end"], 3),
                              "identical_to_plain": all(r["text"] == plain_text for r in results)})
     return rows
@@ -131,12 +149,13 @@ def run_predicted(engine, max_tokens: int, repeats: int, progress=None) -> list[
 
 def format_predicted(rows: list[dict]) -> str:
     header = (f"{'workload':22} {'config':17} {'tokens':>6} {'e2e tok/s':>9} {'decode':>7} {'spread':>13} "
-              f"{'tok/fwd':>7} {'acc':>4} {'rej':>4} {'vs chain':>8} same")
+              f"{'tok/fwd':>7} {'acc':>4} {'rej':>4} {'vs chain':>8} {'paired':>6} same")
     lines = [header, "-" * len(header)]
     for r in rows:
         spread = f"{r['decode_spread'][0]}-{r['decode_spread'][1]}"
         lines.append(f"{r['workload']:22} {r['config']:17} {r['tokens']:6} {r['end_to_end']:9.1f} {r['decode']:7.1f} "
                      f"{spread:>13} {r['tokens_per_forward']:7.2f} {r['accepted_prediction_tokens']:4.0f} "
                      f"{r['rejected_prediction_tokens']:4.0f} {r['decode_vs_default_chain']:8.3f} "
+                     f"{r['paired_vs_default_chain']:6.3f} "
                      f"{'yes' if r['identical_to_plain'] else 'NO'}")
     return "\n".join(lines)

@@ -40,6 +40,9 @@ class EditAlign(Drafter):
         # reference tokens after the last aligned point (one token alone matches too much elsewhere)
         self.ngram_min, self.ngram_max, self.near = ngram_min, ngram_max, near
         self.source = np.empty(0, dtype=np.int64)  # the reference tokens of this generation
+        self.pairs: set = set()  # its adjacent token pairs: an output whose last two are none of them has no n-gram
+        # of 2 or more in the reference, so a resync skips the passes over it (a prediction that does not match
+        # resyncs at every step: 0.1-0.4 ms each, ~1% of a request)
         self.start = 0  # history position where this generation's output begins
         self.seen = 0  # history positions already walked by accept()
         self.pointer: int | None = None  # reference index of the next expected output token; None: lost
@@ -50,6 +53,7 @@ class EditAlign(Drafter):
     def set_reference(self, tokens) -> None:
         """The text being rewritten, for the next generation (None: no reference, draft nothing)."""
         self.source = np.asarray(tokens if tokens is not None else [], dtype=np.int64)
+        self.pairs = set(zip(self.source[:-1].tolist(), self.source[1:].tolist()))
 
     def begin(self, history, params) -> None:
         self.start = self.seen = len(history)
@@ -93,7 +97,10 @@ class EditAlign(Drafter):
         """The reference index after an occurrence of the output's trailing n-gram, or None."""
         if not len(output):
             return 0  # nothing written yet (or all of it was cut): the rewrite starts where the original does
-        for n in range(min(self.ngram_max, len(output)), 0, -1):
+        longest = min(self.ngram_max, len(output))
+        if longest >= 2 and (int(output[-2]), int(output[-1])) not in self.pairs:
+            longest = 1  # (no longer n-gram can end here either)
+        for n in range(longest, 0, -1):
             if 1 < n < self.ngram_min:
                 continue
             ends = self._ends(output[-n:])

@@ -116,3 +116,26 @@ def test_the_alternatives_bench_times_n_cmpl_3_against_one_and_each_alternative_
         if not sampled:  # greedy alternatives are one text, three times
             assert r["tokens_3"] == 3 * r["tokens_1"]
     assert "3 / longest" in format_alternatives(rows)
+
+
+def test_the_predicted_bench_runs_the_configurations_asked_for_with_ratios_paired_to_the_default_chain(tokenizer,
+                                                                                                     monkeypatch):
+    """--predicted through the HTTP server: each workload in the configurations --predictions names (the default
+    chain always, the ratios' base; "its own text" brings plain, whose answer it predicts), alternating their order
+    round by round, every text plain's (the default chain's, without plain)."""
+    from codespec.bench.predicted import CONFIGS, chosen, format_predicted, run_predicted, workloads
+    from codespec.errors import CodespecError
+
+    assert chosen(None) == CONFIGS and chosen("a wrong one") == ("default chain", "a wrong one")
+    assert chosen("its own text") == ("plain", "default chain", "its own text")
+    with pytest.raises(CodespecError, match="unknown nonsense"):
+        chosen("nonsense,plain")
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                        raising=False)  # (the tiny tokenizer has none)
+    engine = Engine(tiny_model(context=8192), tokenizer, SpecConfig(), eos_token_ids=frozenset({EOS}))
+    rows = run_predicted(engine, max_tokens=6, repeats=2, configs=chosen("a wrong one"))
+    assert [(r["workload"], r["config"]) for r in rows] == [
+        (name, config) for name, _, _ in workloads() for config in ("default chain", "a wrong one")]
+    assert all(r["identical_to_plain"] for r in rows)
+    assert all(r["paired_vs_default_chain"] == 1.0 for r in rows if r["config"] == "default chain")
+    assert "paired" in format_predicted(rows)

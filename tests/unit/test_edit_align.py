@@ -159,3 +159,27 @@ def test_a_tentative_draft_is_verified_only_when_no_drafter_after_it_drafts():
     assert chain.draft(array(PROMPT), 8) is unsure and chain.last == "unsure"
     chain.accept(array(PROMPT + [1, 2]), 3, 1)
     assert chain.stats[0].gen_tokens == 3 and chain.stats[0].acc_tokens == 1
+
+
+def test_the_pairs_shortcut_re_finds_the_place_a_full_search_finds():
+    """An output whose last two tokens are no adjacent pair of the reference skips the searches for n-grams of 2 or
+    more (none can match): on random references and outputs over a small vocabulary (many repeats), the place re-found
+    is the one a plain search over every n finds (longest first; one token only within 8 after the anchor; the
+    nearest occurrence at or after the anchor, else the last)."""
+    def searched(reference, output, anchor):
+        for n in range(min(6, len(output)), 0, -1):
+            ends = [e for e in range(n - 1, len(reference)) if reference[e - n + 1 : e + 1] == output[-n:]]
+            ends = [e for e in ends if anchor <= e < anchor + 8] if n == 1 else ends
+            if ends:
+                return ([e for e in ends if e >= anchor] or ends[-1:])[0] + 1
+        return None
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        reference = rng.integers(0, 6, size=int(rng.integers(1, 40))).tolist()
+        output = rng.integers(0, 6, size=int(rng.integers(1, 12))).tolist()
+        anchor = int(rng.integers(0, len(reference) + 1))
+        drafter = EditAlign()
+        drafter.set_reference(reference)
+        drafter.anchor = anchor
+        assert drafter._resync(array(output)) == searched(reference, output, anchor)
