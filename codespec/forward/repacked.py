@@ -2,9 +2,9 @@
 
 Repacking a file's blocks for the q8 tiles (block_tiles.Blocks.read, then q8_tiles.packed) is numpy work over every
 weight: ~0.7 s of each load of the default model, 14 s of each load of a 1.7B Q4_K_M file. The first load writes the
-copies into one file under $CODESPEC_HOME/repacked (one for each GGUF and instruction set); later loads map it
-(copy-on-write, so nothing is read until a forward touches it, and its pages are the page cache's) and read only the
-embedding and output layer from the GGUF.
+copies into one file under $CODESPEC_HOME/repacked (one for each GGUF and instruction set; the copies of GGUFs that
+are gone are removed when another is written); later loads map it (copy-on-write, so nothing is read until a forward
+touches it, and its pages are the page cache's) and read only the embedding and output layer from the GGUF.
 
 A copy is taken only where it was packed from the same file (its path, size and time, and the bytes at its start and
 end), for the same instruction set and by the same code (numba's cache folder, named by a digest of every kernel
@@ -19,6 +19,7 @@ import json
 import mmap
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,7 @@ from .kernels.q8_tiles import Form
 VERSION = 1  # of this file's layout
 ALIGN = 64  # each array starts at a multiple of this many bytes (a cache line: the tiles' loads)
 SAMPLE = 1 << 16  # bytes read at each end of the GGUF for its stamp
+HEADER_MAX = 1 << 24  # a header longer than this is a damaged one (a 7B model's: ~40 KB)
 
 
 def _place(gguf: Path, isa: str, scale: float) -> tuple[Path, str]:
@@ -52,8 +54,7 @@ def load(gguf: Path, isa: str, scale: float) -> Optional[list[tuple]]:
     try:
         path, stamp = _place(gguf, isa, scale)
         with open(path, "rb") as file:
-            header = file.read(int.from_bytes(file.read(8), "little"))
-            index = json.loads(header)
+            header, index = _header(file)
             if index.get("stamp") != stamp:
                 return None
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # (writable arrays: numba's usual type)
@@ -62,6 +63,34 @@ def load(gguf: Path, isa: str, scale: float) -> Optional[list[tuple]]:
                  entry["rows"], entry["chunk_groups"]) for entry in index["weights"]]
     except (OSError, ValueError, KeyError, TypeError):  # none kept, or a damaged copy: packed afresh
         return None
+
+
+def _header(file) -> tuple[bytes, dict]:
+    """A kept copy's header, as bytes and read (ValueError for one that is not: a damaged copy)."""
+    length = int.from_bytes(file.read(8), "little")
+    if length > HEADER_MAX:
+        raise ValueError(f"a header of {length} bytes")
+    header = file.read(length)
+    return header, json.loads(header)
+
+
+def _prune(folder: Path) -> None:
+    """Remove the copies of GGUFs that are gone (a model deleted or moved: its copy, as large as the model, would
+    stay for good) and what writers that were killed left (.partial files over a day old)."""
+    for copy in folder.glob("*.bin"):
+        try:
+            with open(copy, "rb") as file:
+                gone = not Path(_header(file)[1]["gguf"]).exists()
+        except (OSError, ValueError, KeyError, TypeError):
+            gone = True  # (damaged, or of an older layout)
+        if gone:
+            copy.unlink(missing_ok=True)
+    for partial in folder.glob("*.partial"):
+        try:
+            if time.time() - partial.stat().st_mtime > 86400:
+                partial.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _start(header: bytes) -> int:
@@ -86,9 +115,10 @@ def save(gguf: Path, isa: str, scale: float, packed: list[tuple]) -> None:
     partial = None
     try:
         path, stamp = _place(gguf, isa, scale)
-        header = json.dumps({"stamp": stamp, "weights": entries}).encode()
+        header = json.dumps({"stamp": stamp, "gguf": str(gguf.resolve()), "weights": entries}).encode()
         start = _start(header)
         path.parent.mkdir(parents=True, exist_ok=True)
+        _prune(path.parent)
         if start + size > shutil.disk_usage(path.parent).free // 2:
             return  # not worth half of what is left of the disk
         partial = path.with_suffix(f".{os.getpid()}.partial")

@@ -211,3 +211,38 @@ def test_a_direct_model_is_transformers_tree_of_parts_and_rotary_frequencies(kin
     assert torch.equal(ours.model.rotary_emb.inv_freq, theirs.model.rotary_emb.inv_freq)
     assert ours.model.rotary_emb.attention_scaling == theirs.model.rotary_emb.attention_scaling
     assert lean_unsupported(ours) is None and lean_unsupported(theirs) is None
+
+
+def test_kept_copies_map_back_what_was_saved_and_go_when_their_gguf_goes(tmp_path, monkeypatch):
+    """repacked.save / load on their own: the arrays come back equal and writable (numba's usual array type), each
+    at a 64-byte boundary, only for the instruction set and q scale they were kept for; the copy of a GGUF that is
+    gone is removed when another is written, as is a damaged one."""
+    from codespec.forward import repacked
+    from codespec.forward.kernels.q8_tiles import Form
+
+    monkeypatch.setenv("CODESPEC_HOME", str(tmp_path / "home"))
+    rng = np.random.default_rng(0)
+    packed = [(rng.integers(0, 256, (3, 130), dtype=np.uint8), rng.integers(0, 256, (3, 70), dtype=np.uint8),
+               Form(nibbles=True, scales=2, wide=True), 40, 7),
+              (rng.integers(0, 256, (1, 64), dtype=np.uint8), rng.integers(0, 256, (1, 32), dtype=np.uint8),
+               Form(nibbles=False, minimum=False, planes=2, offset=32), 16, 1)]
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(b"GGUF first")
+    second.write_bytes(b"GGUF second")
+    repacked.save(first, "vnni", 0.125, packed)
+    kept = repacked.load(first, "vnni", 0.125)
+    for (q, held, form, rows, groups), (q2, held2, form2, rows2, groups2) in zip(packed, kept, strict=True):
+        assert np.array_equal(q, q2) and np.array_equal(held, held2) and (form, rows, groups) == (form2, rows2, groups2)
+        assert q2.flags.writeable and q2.ctypes.data % 64 == 0 and held2.ctypes.data % 64 == 0
+    assert repacked.load(first, "avx2", 0.125) is None and repacked.load(first, "vnni", 1.0) is None
+    [copy] = (tmp_path / "home" / "repacked").iterdir()
+    first.unlink()
+    repacked.save(second, "vnni", 0.125, packed[:1])
+    assert [p.name for p in (tmp_path / "home" / "repacked").iterdir()] != [copy.name] and not copy.exists()
+    [other] = (tmp_path / "home" / "repacked").iterdir()
+    other.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")  # a header length no copy has
+    assert repacked.load(second, "vnni", 0.125) is None
+    third = tmp_path / "c.gguf"
+    third.write_bytes(b"GGUF third")
+    repacked.save(third, "vnni", 0.125, packed)
+    assert not other.exists() and repacked.load(third, "vnni", 0.125) is not None
