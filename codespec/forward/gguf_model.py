@@ -26,6 +26,7 @@ import torch
 from ..errors import CodespecError
 from .kernels import block_tiles
 from .kernels.block_tiles import field  # (the file's metadata: for the bench's zoo too)
+from .plan import head_size
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # the GGUF architectures read directly (the lean forward's)
 NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -91,7 +92,8 @@ def metadata(path: Path, folder: Path):
         stamp.write_text(json.dumps({"gguf": str(path)}))
     except OSError:
         pass  # a read-only cache: built from the file again next time
-    return PretrainedConfig(**config.to_dict(), name_or_path=str(folder)), tokenizer  # (the name: adaptive's cost cache)
+    # (named by the folder, as from_pretrained names it: adaptive's cost cache is kept per name)
+    return PretrainedConfig(**config.to_dict(), name_or_path=str(folder)), tokenizer
 
 
 class Held(torch.nn.Module):
@@ -112,7 +114,7 @@ class Rotary(torch.nn.Module):
         super().__init__()
         rope = getattr(config, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") == "default":
-            dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            dim = head_size(config)
             inv_freq, self.attention_scaling = 1.0 / (rope.get("rope_theta", 10000.0) ** (
                 torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
         else:
@@ -123,15 +125,15 @@ class Rotary(torch.nn.Module):
 
 
 class DirectModel(torch.nn.Module):
-    """A Llama, Qwen2 or Qwen3 model read directly from its GGUF: transformers' tree of parts (model.layers[i].self_attn.
-    q_proj.weight, ...; what the plan and the lean forward read) with the projections placeholders, without
-    transformers' model classes (importing them took 1 s of every load)."""
+    """A Llama, Qwen2 or Qwen3 model read directly from its GGUF: transformers' tree of parts
+    (model.layers[i].self_attn.q_proj.weight, ...; what the plan and the lean forward read) with the projections
+    placeholders, without transformers' model classes (importing them took 1.7 s of every load)."""
 
     def __init__(self, config, path: Path):
         super().__init__()
         self.config, self.gguf_direct = config, path  # (the file the lean forward reads: plan.resolve takes it)
         hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        head_dim = head_size(config)
         # q/k/v biases: Qwen2's always, the others' where the config says (and then on o too: the plan refuses that)
         biased = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         o_biased = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
@@ -149,7 +151,8 @@ class DirectModel(torch.nn.Module):
             if config.model_type == "qwen3":
                 attention.q_norm, attention.k_norm = norm(head_dim), norm(head_dim)
             mlp = Held(gate_proj=linear(inner, hidden), up_proj=linear(inner, hidden), down_proj=linear(hidden, inner))
-            return Held(self_attn=attention, mlp=mlp, input_layernorm=norm(hidden), post_attention_layernorm=norm(hidden))
+            return Held(self_attn=attention, mlp=mlp, input_layernorm=norm(hidden),
+                        post_attention_layernorm=norm(hidden))
 
         self.model = Held(embed_tokens=Held(weight=placeholder((config.vocab_size, hidden))),
                           layers=torch.nn.ModuleList(layer() for _ in range(config.num_hidden_layers)),
@@ -203,6 +206,6 @@ def materialized(model):
     fresh.load_state_dict(small, strict=False)
     from .lean import rotary_order
 
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    block_tiles.read_gguf(path, fresh, rotary_order(head_dim), 1.0, permuted=block_tiles.architecture(path) == "llama")
+    block_tiles.read_gguf(path, fresh, rotary_order(head_size(model.config)), 1.0,
+                          permuted=block_tiles.architecture(path) == "llama")
     return fresh.eval()

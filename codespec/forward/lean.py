@@ -180,7 +180,9 @@ class LeanLlama:
         self.q8 = plan.activations == "q8"
         if previous is None or (previous.weights, previous.activations) != (plan.weights, plan.activations):
             # (built only when what the kernels read changes: the q8 tiles' repacked copies, ~0.7 s)
-            kept, self.on_disk = (self.on_disk or self._from_disk(plan)) if self.q8 else None, None
+            # (__init__ asked the disk for this plan already; a replan asks again)
+            kept = (self.on_disk if previous is None else self._from_disk(plan)) if self.q8 else None
+            self.on_disk = None
             if kept is not None:  # repacked by an earlier load
                 projections, head = kept[:-1], kept[-1]
             elif self.blocks is not None:

@@ -69,7 +69,7 @@ def resolve(model, forward: str = "lean", gguf: Optional[Path] = None, prompt_pr
     if gguf is not None and not (cpu32 and layers.ready()):
         raise CodespecError("--weights gguf runs on CPUs in float32 (--device cpu --dtype float32), with numba's "
                             "OpenMP pool (the system's libgomp)")
-    head_dim = _head_dim(model.config)
+    head_dim = head_size(model.config)
     q8 = q8_activations(activations, gguf)
     weights = "gguf blocks" if gguf is not None else ("16 bits" if cpu32 and sixteen_bits(model) else "checkpoint")
     cache_kernel = cpu32 and head_dim % 16 == 0 and attention.ready()
@@ -180,7 +180,8 @@ def instruction_set() -> str:
     return "portable"
 
 
-def _head_dim(config) -> int:
+def head_size(config) -> int:
+    """A head's size: the config's head_dim, or (where it has none) hidden size over heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
