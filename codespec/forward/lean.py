@@ -109,8 +109,10 @@ class LeanLlama:
         # a model read directly from its GGUF (gguf_model.py) has no float weights: only the blocks' kernels run
         self.direct = getattr(model, "gguf_direct", None) is not None
         self.on_disk = self._from_disk(plan)  # its projections as the q8 tiles read them, kept by an earlier load
-        if plan.gguf is not None:
-            blocks = block_tiles.read_gguf(*self.gguf_source, projections=self.on_disk is None)
+        if plan.gguf is not None:  # (a direct model on q8 without a kept copy: each tensor repacked as it is read)
+            packing = self.direct and self.on_disk is None and plan.activations == "q8"
+            blocks = block_tiles.read_gguf(*self.gguf_source, projections=self.on_disk is None,
+                                           each=self._packer() if packing else None)
         inner = model.model
         self.layer_count = len(inner.layers)
         self.embed = inner.embed_tokens.weight
@@ -187,11 +189,13 @@ class LeanLlama:
                 projections, head = kept[:-1], kept[-1]
             elif self.blocks is not None:
                 if "layers" not in self.blocks:  # given up for q8's copies, or not read: read now
-                    self.blocks = block_tiles.read_gguf(*self.gguf_source)
+                    self.blocks = block_tiles.read_gguf(*self.gguf_source, each=self._packer() if self.q8 and
+                                                        self.direct else None)
                 # with q8 the repacked copies replace the blocks, each given up as it is repacked (layers.Weights):
                 # a load holds one copy of the weights
                 layered = self.blocks.pop("layers") if self.q8 else self.blocks["layers"]
-                projections, head = [b for layer in layered for b in layer], self.blocks["head"]
+                projections = [b for layer in layered for b in layer]
+                head = self.blocks.pop("head") if self.q8 else self.blocks["head"]
                 del layered
                 if self.q8 and self.direct:  # repacked here (in place: each block goes), and kept for the next load
                     projections.append(head)
@@ -220,13 +224,21 @@ class LeanLlama:
         kept = repacked.load(plan.gguf, q8_tiles.instruction_set(), self.gguf_source[3])
         return kept if kept is not None and len(kept) == 4 * len(self.model.model.layers) + 1 else None
 
-    def _repacked(self, weights: list) -> None:
-        """Replace each of `weights` (blocks) with what q8_tiles.packed makes of it, so that each block is let go once
-        repacked (a load holds one copy of the weights), and keep them on disk for the next load."""
+    @staticmethod
+    def _packer():
+        """Blocks (or block_tiles.Mapped) -> what q8_tiles.packed makes of them for this CPU (a tuple, left as it
+        is)."""
         isa = q8_tiles.instruction_set() or "avx2"  # (none: the tiles say what they lack when compiled, as repack)
+        return lambda weight: weight.q8_packed(isa) if hasattr(weight, "q8_packed") else weight
+
+    def _repacked(self, weights: list) -> None:
+        """Replace each of `weights` (blocks, or packed as read) with what q8_tiles.packed makes of it, so that each
+        block is let go once repacked (a load holds one copy of the weights), and keep them on disk for the next
+        load."""
+        packer = self._packer()
         for i, weight in enumerate(weights):
-            weights[i] = weight.q8_packed(isa)
-        repacked.save(self.gguf_source[0], isa, self.gguf_source[3], weights)
+            weights[i] = packer(weight)
+        repacked.save(self.gguf_source[0], q8_tiles.instruction_set() or "avx2", self.gguf_source[3], weights)
 
     def replan(self, **changes) -> None:
         """This forward's plan with `changes` (resolve's settings), resolved and applied. A setting not changed that

@@ -28,7 +28,7 @@ import numpy as np
 from ..config import codespec_home
 from .kernels.q8_tiles import Form
 
-VERSION = 1  # of this file's layout
+VERSION = 2  # of this file's layout (2: K-quant scales factored, q8_tiles.Form.factored)
 ALIGN = 64  # each array starts at a multiple of this many bytes (a cache line: the tiles' loads)
 SAMPLE = 1 << 16  # bytes read at each end of the GGUF for its stamp
 HEADER_MAX = 1 << 24  # a header longer than this is a damaged one (a 7B model's: ~40 KB)

@@ -15,7 +15,9 @@ AVX2 = "haswell"
 AVX512 = "znver4"  # AVX512-VNNI and AVX512-BF16
 HASWELL = {"avx", "avx2", "fma", "f16c", "bmi2", "openmp"}  # what an AVX2 laptop has (and numba's pool)
 FORMS = [q8_tiles.Form(True), q8_tiles.Form(True, wide=True), q8_tiles.Form(False, minimum=False),
-              q8_tiles.Form(False, 1, True, True), q8_tiles.Form(False, 2, False, True), q8_tiles.Form(False, 2, True, True)]
+              q8_tiles.Form(False, 1, True, True), q8_tiles.Form(False, 2, False, True), q8_tiles.Form(False, 2, True, True),
+              q8_tiles.Form(True, factored=True), q8_tiles.Form(False, 2, False, factored=True),
+              q8_tiles.Form(False, 1, True, factored=True)]  # (factored: K-quants' scales as bytes times a base)
 # every LLVM IR module codespec compiles, by its entry in the capability table
 MODULES = {
     "silu": lambda: layers.SILU_IR,
@@ -37,7 +39,8 @@ MODULES = {
 
 VNNI_FORMS = [q8_tiles.Form(True, 1, True, False, 1, 16), q8_tiles.Form(True, 1, True, True, 1),
               q8_tiles.Form(True, 2, True, True, 2, 32), q8_tiles.Form(True, offset=8),
-              q8_tiles.Form(False, offset=128)]  # nibbles and planes of higher bits (Q5_*, Q6_K); formed minimums
+              q8_tiles.Form(False, offset=128), q8_tiles.Form(True, 1, True, False, 1, factored=True),
+              q8_tiles.Form(True, 2, True, False, 2, 32, True)]  # nibbles and planes of higher bits (Q5_*, Q6_K); formed minimums
 
 
 def every_form(isa: str) -> str:

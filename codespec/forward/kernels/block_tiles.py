@@ -289,11 +289,13 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _k_quant(raw: np.ndarray, q: np.ndarray, scale: int = 4) -> tuple:
     """Q4_K / Q5_K: q [N, S, 8, 32] (the super-block's eight sub-blocks of 32) and the super-block's float16 d and
     dmin at bytes 0 and 2, the sub-block scales and minimums at byte 4: w = (d sc) q - dmin mn, both products
-    exact in float32 (11 bits times 6), so one rounding as llama.cpp's."""
+    exact in float32 (11 bits times 6), so one rounding as llama.cpp's; and the super-blocks' d and -dmin
+    [N, S, 2] (`Blocks.base`)."""
     sc, mn = _k_scales(raw[:, :, scale : scale + 12])
     d, dmin = _halves(raw, 0), _halves(raw, 2)
     n = raw.shape[0]
-    return (q.reshape(n, -1, 32), (d[..., None] * sc).reshape(n, -1, 1), -(dmin[..., None] * mn).reshape(n, -1, 1))
+    return (q.reshape(n, -1, 32), (d[..., None] * sc).reshape(n, -1, 1), -(dmin[..., None] * mn).reshape(n, -1, 1),
+            np.stack([d, -dmin], axis=-1))
 
 
 def _q4_k(raw):
@@ -321,7 +323,8 @@ def _q6_k(raw):
     qh = raw[:, :, 128:192].reshape(n, s, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
     q = ((ql & 15).reshape(n, s, 8, 32) | ((qh & 3).reshape(n, s, 8, 32) << 4)).astype(np.int16) - 32
     scales = raw[:, :, 192:208].view(np.int8).astype(np.float32)
-    return q.reshape(n, -1, 32), (_halves(raw, 208)[..., None] * scales).reshape(n, -1, 2), None
+    d = _halves(raw, 208)  # (the minimums' base: -32 d, the minimum of a block held plus 32, q8_tiles.packed)
+    return (q.reshape(n, -1, 32), (d[..., None] * scales).reshape(n, -1, 2), None, np.stack([d, -32 * d], axis=-1))
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -337,13 +340,15 @@ def _five_bits(raw, q_at: int, qh_at: int) -> np.ndarray:
 
 # Each GGUF type the tiles read: its block (weights, bytes), the layout it runs in, and how a tensor's raw blocks
 # [N, blocks, bytes] become q, d and m [N, blocks of 32, scales] (float32; m None where there is none) with
-# w = q * d + m: q integers [N, blocks of 32, 32], or (uint8, the layout's q_bytes wide) the layout's own bytes.
+# w = q * d + m: q integers [N, blocks of 32, 32], or (uint8, the layout's q_bytes wide) the layout's own bytes;
+# and for K-quants the super-blocks' float16 scales (Blocks.base; None for the others).
 FORMATS = {
-    "Q4_0": (32, 18, "Q4_0", lambda r: (r[:, :, 2:], _halves(r, 0)[..., None], None)),
-    "Q4_1": (32, 20, "Q4_1", lambda r: (r[:, :, 4:], _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
-    "Q5_0": (32, 22, "Q8_0", lambda r: (_five_bits(r, 6, 2) - 16, _halves(r, 0)[..., None], None)),
-    "Q5_1": (32, 24, "Q8_M", lambda r: (_five_bits(r, 8, 4), _halves(r, 0)[..., None], _halves(r, 2)[..., None])),
-    "Q8_0": (32, 34, "Q8_0", lambda r: (r[:, :, 2:].view(np.int8), _halves(r, 0)[..., None], None)),
+    "Q4_0": (32, 18, "Q4_0", lambda r: (r[:, :, 2:], _halves(r, 0)[..., None], None, None)),
+    "Q4_1": (32, 20, "Q4_1", lambda r: (r[:, :, 4:], _halves(r, 0)[..., None], _halves(r, 2)[..., None], None)),
+    "Q5_0": (32, 22, "Q8_0", lambda r: (_five_bits(r, 6, 2) - 16, _halves(r, 0)[..., None], None, None)),
+    "Q5_1": (32, 24, "Q8_M", lambda r: (_five_bits(r, 8, 4), _halves(r, 0)[..., None], _halves(r, 2)[..., None],
+                                        None)),
+    "Q8_0": (32, 34, "Q8_0", lambda r: (r[:, :, 2:].view(np.int8), _halves(r, 0)[..., None], None, None)),
     "Q4_K": (QK_K, 144, "Q4_1", _q4_k),
     "Q5_K": (QK_K, 176, "Q8_M", _q5_k),
     "Q6_K": (QK_K, 210, "Q8_16", _q6_k),
@@ -368,30 +373,39 @@ READ_ROWS = 8192  # rows of a tensor decoded at a time (Blocks.read)
 
 class Blocks:
     """One GGUF tensor's blocks in a tile layout (KINDS), row by row: q [N, K / 32 * q_bytes] (uint8), d and m
-    [N, K / 32 * scales] (float32; m [N, 0] where the layout has no minimum). `source`: the GGUF type(s)."""
+    [N, K / 32 * scales] (float32; m [N, 0] where the layout has no minimum). `source`: the GGUF type(s). `base`:
+    for K-quants, each super-block's float16 d and -dmin [N, K / 256, 2] (float32), of which its d's and m's are
+    small integer multiples (the q8 tiles then hold those integers, as the file does: q8_tiles.packed checks
+    that they are); else None."""
 
-    def __init__(self, kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, source: str = ""):
-        self.kind, self.q, self.d, self.m, self.source = kind, q, d, m, source or kind
+    def __init__(self, kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, source: str = "", base=None):
+        self.kind, self.q, self.d, self.m, self.source, self.base = kind, q, d, m, source or kind, base
 
     @classmethod
-    def read(cls, tensor) -> "Blocks":
+    def read(cls, tensor, rows=None) -> "Blocks":
+        """The blocks of a GGUF tensor (gguf's ReaderTensor), or of its rows `rows` (indices)."""
         source = tensor.tensor_type.name
         if source not in FORMATS:
             raise CodespecError(f"--weights gguf reads {', '.join(FORMATS)} blocks; {tensor.name} is {source}")
         weights, size, kind, decode = FORMATS[source]
         raw = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, size)
+        if rows is not None:
+            raw = raw[rows]
         if raw.shape[0] <= READ_ROWS:
-            return cls.of(kind, *decode(raw), source)
+            *qdm, base = decode(raw)
+            return cls.of(kind, *qdm, source, base)
         # rows a chunk at a time: decoding a large tensor whole (a 152k-token output layer) took temporaries of
         # several times its size (peak RSS 3.5 GB for a 1 GB file)
-        parts = [cls.of(kind, *decode(raw[start : start + READ_ROWS]), source)
-                 for start in range(0, raw.shape[0], READ_ROWS)]
-        return cls(kind, *(np.concatenate([getattr(p, a) for p in parts]) for a in "qdm"), source)
+        parts = []
+        for start in range(0, raw.shape[0], READ_ROWS):
+            *qdm, base = decode(raw[start : start + READ_ROWS])
+            parts.append(cls.of(kind, *qdm, source, base))
+        return cls.cat(parts)
 
     @classmethod
-    def of(cls, kind: str, q: np.ndarray, d: np.ndarray, m, source: str = "") -> "Blocks":
+    def of(cls, kind: str, q: np.ndarray, d: np.ndarray, m, source: str = "", base=None) -> "Blocks":
         """Blocks of layout `kind` for w = q * d + m: q integers [N, B, 32] (or the layout's own bytes, uint8
-        [N, B, q_bytes]), d and m [N, B, 1 or scales] (m None: none)."""
+        [N, B, q_bytes]), d and m [N, B, 1 or scales] (m None: none); `base` as the class says."""
         layout = KINDS[kind]
         n = q.shape[0]
         if d.shape[2] != layout.scales:  # one scale a block, repeated for both halves
@@ -422,7 +436,7 @@ class Blocks:
         else:
             minimums = np.zeros((n, 0), np.float32)
         return cls(kind, np.ascontiguousarray(stored.reshape(n, -1)), np.ascontiguousarray(d.reshape(n, -1), np.float32),
-                   minimums, source)
+                   minimums, source, base)
 
     def integers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """q [N, B, 32] (int16), d and m [N, B, scales] (m None where there is none) with w = q * d + m: what `of`
@@ -447,16 +461,18 @@ class Blocks:
         return self.rows(ids).values()
 
     def rows(self, index) -> "Blocks":
-        return Blocks(self.kind, self.q[index], self.d[index], self.m[index], self.source)
+        return Blocks(self.kind, self.q[index], self.d[index], self.m[index], self.source,
+                      None if self.base is None else self.base[index])
 
     def scaled(self, scale: float) -> "Blocks":
         """The same blocks times `scale` (a power of two keeps every weight exact)."""
-        return Blocks(self.kind, self.q, (self.d.astype(np.float64) * scale).astype(np.float32),
-                      (self.m.astype(np.float64) * scale).astype(np.float32), self.source)
+        def times(values):
+            return None if values is None else (values.astype(np.float64) * scale).astype(np.float32)
+        return Blocks(self.kind, self.q, times(self.d), times(self.m), self.source, times(self.base))
 
     def as_kind(self, kind: str) -> "Blocks":
         """The same weights in layout `kind` (one that holds them: _common)."""
-        return self if kind == self.kind else Blocks.of(kind, *self.integers(), self.source)
+        return self if kind == self.kind else Blocks.of(kind, *self.integers(), self.source, self.base)
 
     @staticmethod
     def cat(parts: list["Blocks"]) -> "Blocks":
@@ -464,7 +480,9 @@ class Blocks:
         kind = _common({p.kind for p in parts})
         parts = [p.as_kind(kind) for p in parts]
         sources = "+".join(dict.fromkeys(p.source for p in parts))
-        return Blocks(kind, *(np.concatenate([getattr(p, a) for p in parts]) for a in "qdm"), sources)
+        bases = [p.base for p in parts]
+        base = None if any(b is None for b in bases) else np.concatenate(bases)
+        return Blocks(kind, *(np.concatenate([getattr(p, a) for p in parts]) for a in "qdm"), sources, base)
 
     def values(self) -> torch.Tensor:
         """The weights [N, K] in float32, each q * d + m rounded once as the kernel's fused multiply-add rounds it
@@ -492,17 +510,23 @@ class Blocks:
         return q8_tiles.packed(KINDS[self.kind].bits, self.q.shape[0], self._q8_integers, isa, self.planes())
 
     def planes(self) -> int:
-        """1 where every weight is five bits (Q5_0, Q5_1 or Q5_K tensors), 2 where six (Q6_K), else 0: q8_tiles
-        holds those as nibbles and planes of the higher bits where it can."""
-        from . import q8_tiles
-
-        types = set(self.source.split("+"))
-        return next((planes for kinds, planes in q8_tiles.PLANES.items() if types <= set(kinds)), 0)
+        """1 where the widest weights are five bits (Q5_0, Q5_1 or Q5_K blocks, alone or fused with 4-bit ones), 2
+        where six (Q6_K), else 0: q8_tiles holds those as nibbles and planes of the higher bits where it can."""
+        return planes(set(self.source.split("+")))
 
     def _q8_integers(self, first: int, last: int) -> tuple:
-        """(q, d, m) of rows first..last as q8_tiles takes them: nibbles with a minimum (Q4_0: m = -8 d), or bytes."""
+        """(q, d, m, base) of rows first..last as q8_tiles takes them: nibbles with a minimum (Q4_0: m = -8 d), or
+        bytes."""
         rows = self.rows(slice(first, last))
-        return (rows.as_kind("Q4_1") if KINDS[self.kind].bits == 4 else rows).integers()
+        return (*(rows.as_kind("Q4_1") if KINDS[self.kind].bits == 4 else rows).integers(), rows.base)
+
+
+def planes(types: set) -> int:
+    """Blocks.planes of a tensor of these GGUF types."""
+    from . import q8_tiles
+
+    most = max(q8_tiles.BITS.get(t, 8) for t in types)
+    return most - 4 if most in (5, 6) else 0
 
 
 def _reader(path: Path):
@@ -586,15 +610,17 @@ def _unsupported(tensors) -> str | None:
 
 
 def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bool | None = None,
-              projections: bool = True) -> dict:
+              projections: bool = True, each=None) -> dict:
     """Read the blocks of `path` (the GGUF `model` was converted from), overwrite the model's float32
     weights with their values, and return the blocks the lean forward needs, its rows in its own order (q and
     k heads with rows reordered by `order`, q's times `scale`): {"layers": [qkv, o, gate_up, down] per layer,
     "head": the output layer, "embed": the embedding's}. A model read directly from the file (gguf_model.py: its
-    weights placeholders) is left as it is. permuted: whether q and k rows are in llama.cpp's order for Llama (None:
-    whichever of the two orders the model's own weights match; a direct model: the file's architecture says).
-    projections False (a direct model whose projections the q8 tiles' copy on disk holds: forward/repacked.py):
-    only "head" and "embed"."""
+    weights placeholders) is left as it is, and its "embed" is a Mapped (rows decoded as they are looked up).
+    permuted: whether q and k rows are in llama.cpp's order for Llama (None: whichever of the two orders the model's
+    own weights match; a direct model: the file's architecture says). projections False (a direct model whose
+    projections and output layer the q8 tiles' copy on disk holds: forward/repacked.py): only "embed" (a Mapped). `each`: what
+    each projection and the output layer become as soon as read (a direct model's q8 tiles' copy: a load then
+    holds one tensor's blocks at a time, not the model's)."""
     try:
         reader = _reader(path)
     except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
@@ -658,17 +684,62 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bo
                                      ("down", "ffn_down", mlp.down_proj.weight)):
             parts[key] = blocks(f"blk.{i}.{name}.weight")
             load(parameter, _shaped(parts[key], direct), f"blk.{i}.{name}.weight")
-        layers.append([Blocks.cat([q, k, parts["v"]]), parts["o"], Blocks.cat([parts["gate"], parts["up"]]),
-                       parts["down"]])
+        fused = [Blocks.cat([q, k, parts["v"]]), parts["o"], Blocks.cat([parts["gate"], parts["up"]]), parts["down"]]
+        del q, k, parts
+        layers.append([each(b) for b in fused] if each is not None else fused)
+        del fused
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    if direct:  # the embedding's rows decoded as they are looked up; the output layer where it is not kept
+        if "token_embd.weight" not in tensors:
+            raise CodespecError(f"--weights gguf: {path.name} has no tensor token_embd.weight")
+        embed = Mapped(tensors["token_embd.weight"])
+        if embed.tensor.data.shape[0] != inner.embed_tokens.weight.shape[0]:
+            raise CodespecError(f"--weights gguf: token_embd.weight has {embed.tensor.data.shape[0]} rows, the "
+                                f"model's vocabulary {inner.embed_tokens.weight.shape[0]}")
+        if heads_only:
+            return {"embed": embed}
+        if each is None:
+            head = blocks(head_name)
+            load(model.lm_head.weight, _shaped(head, direct), head_name)
+        else:  # (repacked from the mapped file a few thousand rows at a time)
+            if tensors[head_name].data.shape[0] != model.lm_head.weight.shape[0]:
+                raise CodespecError(f"--weights gguf: {head_name} has {tensors[head_name].data.shape[0]} rows, "
+                                    f"the model's vocabulary {model.lm_head.weight.shape[0]}")
+            head = each(Mapped(tensors[head_name]))
+            release(reader, tensors[head_name])
+        return {"head": head, "embed": embed, "layers": layers}
     head = blocks(head_name)
     load(model.lm_head.weight, _shaped(head, direct), head_name)
     embed = head
     if head_name == "output.weight":  # untied: the embedding table has its own blocks
         embed = blocks("token_embd.weight")
         load(inner.embed_tokens.weight, _shaped(embed, direct), "token_embd.weight")
-    read = {"head": head, "embed": embed}
-    return read if heads_only else read | {"layers": layers}
+    return {"head": head, "embed": embed, "layers": layers}
+
+
+class Mapped:
+    """A tensor's blocks left in the mapped file, rows decoded when asked: an embedding table's rows as they are
+    looked up (the whole table decoded held 370 MB for a 151,936-token vocabulary, and twice that while it was
+    decoded; one row costs ~40 us, a forward's ids together), and an output layer repacked for the q8 tiles
+    q8_tiles.REPACK_ROWS rows at a time."""
+
+    def __init__(self, tensor):
+        if tensor.tensor_type.name not in FORMATS:
+            raise CodespecError(f"--weights gguf reads {', '.join(FORMATS)} blocks; {tensor.name} is "
+                                f"{tensor.tensor_type.name}")
+        self.tensor = tensor
+
+    def take(self, ids) -> torch.Tensor:
+        """The float32 values of rows `ids`, as Blocks.take gives them."""
+        return Blocks.read(self.tensor, np.asarray(ids)).values()
+
+    def q8_packed(self, isa: str) -> tuple:
+        """Blocks.q8_packed of the whole tensor."""
+        from . import q8_tiles
+
+        source = self.tensor.tensor_type.name
+        return q8_tiles.packed(KINDS[FORMATS[source][2]].bits, self.tensor.data.shape[0], lambda first, last: (
+            Blocks.read(self.tensor, slice(first, last))._q8_integers(0, last - first)), isa, planes({source}))
 
 
 def _shaped(blocks: Blocks, direct: bool) -> torch.Tensor:

@@ -50,17 +50,21 @@ class Form:
     64-byte steps (and 64 bytes a plane: step s's 64 weights in bits 64 s .. 64 s + 63, in the order of its bytes),
     then `slots` vectors of 16 scales (the d's, then the m's; with `offset` the m's are not held but formed in the
     tile, m = -offset d: the same float32 values, exactly, as Q4_0's -8 d, Q5_0's -16 d, Q6_K's -32 d and the VNNI
-    tiles' -128 d for bytes)."""
+    tiles' -128 d for bytes). `factored`: the scales as the K-quant file holds them, a signed byte each times its
+    super-block's float32 base (per 8 blocks and column: one vector for the d's, one for the m's), formed in the
+    tile (exact: a float16 value times a byte fits float32's 24 bits, the same values as `wide` holds)."""
     nibbles: bool
     scales: int = 1
     minimum: bool = True
     wide: bool = False
     planes: int = 0
     offset: int = 0
+    factored: bool = False
 
     @property
     def name(self) -> str:
-        return (f"{'n' if self.nibbles else 'b'}{self.scales}{'m' if self.minimum else ''}{'w' if self.wide else 'h'}"
+        scalars = "f" if self.factored else "w" if self.wide else "h"
+        return (f"{'n' if self.nibbles else 'b'}{self.scales}{'m' if self.minimum else ''}{scalars}"
                 f"{f'p{self.planes}' if self.planes else ''}{f'o{self.offset}' if self.offset else ''}")
 
     @property
@@ -118,11 +122,28 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
                      f"  {name}.s = select <64 x i1> {name}.m, <64 x i8> splat (i8 {16 << plane}), <64 x i8> "
                      f"zeroinitializer\n  {name} = or <64 x i8> {vector}, {name}.s\n")
         weights = [(step, f"%f{plane}_{step}") for step, _ in weights]
-    text += f"  %so = mul i64 %gbb, {16 * form.slots}\n  %sp = getelementptr {scalar}, ptr %s, i64 %so\n"
+    if form.factored:  # a group: its blocks' bytes [block, slot, column], then its bases [block / 8, kind, column]
+        kinds = 1 + (form.slots > form.scales)
+        text += (f"  %sgs = mul i64 %blocks, {16 * form.slots + 8 * kinds}\n  %sg = mul i64 %g, %sgs\n"
+                 f"  %sbo = mul i64 %b, {16 * form.slots}\n  %so = add i64 %sg, %sbo\n"
+                 f"  %sp = getelementptr i8, ptr %s, i64 %so\n  %sbs = mul i64 %blocks, {16 * form.slots}\n"
+                 f"  %sb8 = lshr i64 %b, 3\n  %sbk = mul i64 %sb8, {64 * kinds}\n  %sba = add i64 %sbs, %sbk\n"
+                 f"  %sbb = add i64 %sg, %sba\n  %basep = getelementptr i8, ptr %s, i64 %sbb\n")
+        for kind in range(kinds):
+            text += (f"  %base{kind}.p = getelementptr float, ptr %basep, i64 {16 * kind}\n"
+                     f"  %base{kind} = load <16 x float>, ptr %base{kind}.p, align 4\n")
+    else:
+        text += f"  %so = mul i64 %gbb, {16 * form.slots}\n  %sp = getelementptr {scalar}, ptr %s, i64 %so\n"
     slots = [f"%d{i}" for i in range(form.scales)] + [f"%m{i}" for i in range(form.scales if form.minimum else 0)]
     for i, slot in enumerate(slots):
         if i >= form.scales and form.offset:  # m = -offset d, exact
             text += f"  {slot} = fmul <16 x float> %d{i - form.scales}, splat (float {-form.offset:.1f})\n"
+            continue
+        if form.factored:  # the byte times its super-block's base
+            text += (f"  {slot}.p = getelementptr i8, ptr %sp, i64 {16 * i}\n"
+                     f"  {slot}.b = load <16 x i8>, ptr {slot}.p, align 1\n"
+                     f"  {slot}.f = sitofp <16 x i8> {slot}.b to <16 x float>\n"
+                     f"  {slot} = fmul <16 x float> {slot}.f, %base{int(i >= form.scales)}\n")
             continue
         text += (f"  {slot}.p = getelementptr {scalar}, ptr %sp, i64 {16 * i}\n"
                  f"  {slot}{'' if form.wide else '.h'} = load <16 x {scalar}>, ptr {slot}.p, align 2\n")
@@ -424,24 +445,28 @@ def compiled(weight: tuple) -> tuple:
 
 
 OFFSETS = (8, 16, 32, 128)  # m = -offset d: Q4_0's, Q5_0's, Q6_K's (as q8_tiles holds them unsigned), bytes on VNNI
-PLANES = {("Q5_0", "Q5_1", "Q5_K"): 1, ("Q6_K",): 2}  # five- and six-bit GGUF types: their weights' planes past 4 bits
+# the GGUF types' bits a weight: where a tensor's (or a fused tensor's) most are 5 or 6, the VNNI tiles hold its
+# weights as nibbles and planes past 4 bits (a Q4_K_M file's q/k/v fused from Q4_K and Q6_K blocks: 6 bits)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
 
 
 def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
     """A GGUF tensor's blocks as the tiles of instruction set `isa` read them, from `integers(first, last)`: (q, d,
     m) of rows first..last, q [rows, B, 32] integers (bits 4: nibbles 0..15, with a minimum m; bits 8: signed
-    bytes), d and m [rows, B, scales] (block_tiles.Blocks.integers; m None: none), taken REPACK_ROWS rows at a
-    time. Columns are padded to a multiple of 16 with zero weights. Every instruction set takes every form: vpdpbusd takes the stored
-    bytes as unsigned, so for the VNNI tiles a byte form's minimum is less 128 d (w = (q + 128) d + m - 128 d).
-    `planes` 1 or 2: the blocks are five- or six-bit weights (PLANES), which the VNNI tiles hold as nibbles and
-    planes of the higher bits (0.625 and 0.75 bytes a weight against a byte): a block of signed weights (Q5_0's,
-    Q6_K's) plus 16 or 32, its minimum less 16 or 32 d. (q, scales, form, rows, column groups a thread takes at a
+    bytes), d and m [rows, B, scales] (block_tiles.Blocks.integers; m None: none), and optionally the K-quant
+    super-blocks' bases (Blocks.base: the scales are then held as bytes, `_factors`), taken REPACK_ROWS rows at a
+    time. Columns are padded to a multiple of 16 with zero weights. Every instruction set takes every form:
+    vpdpbusd takes the stored bytes as unsigned, so for the VNNI tiles a byte form's minimum is less 128 d (w = (q + 128) d + m - 128 d).
+    `planes` 1 or 2: the blocks are five- or six-bit weights, which the VNNI tiles hold as nibbles and
+    planes of the higher bits (0.625 and 0.75 bytes a weight against a byte; BITS): a block of signed weights
+    (Q5_0's, Q6_K's) plus 16 or 32, its minimum less 16 or 32 d. (q, scales, form, rows, column groups a thread takes at a
     time)."""
-    stepped, slots, minimum = [], [], False
+    stepped, slots, bases, minimum = [], [], [], False
     planes = planes if isa == "vnni" and bits == 8 else 0
     stored = 4 + planes if planes else bits  # the bits _steps lays out
     for first in range(0, rows, REPACK_ROWS):
-        q, d, m = integers(first, min(rows, first + REPACK_ROWS))
+        q, d, m, *base = integers(first, min(rows, first + REPACK_ROWS))
+        bases.append(base[0] if base else None)
         if planes:
             half = 8 << planes
             shift = np.where(q.min(axis=2, keepdims=True) < 0, half, 0)
@@ -451,24 +476,62 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
         elif isa == "vnni" and bits == 8:
             m = -128 * d if m is None else m - 128 * d
         minimum = m is not None
-        stepped.append(_steps(stored, q))
-        slots.append(np.concatenate([d] + ([] if m is None else [m]), axis=2))
+        part = _steps(stored, q)
+        if not stepped:  # (filled a chunk at a time: a 152k-row output layer's steps held once, not twice)
+            stepped.append(np.empty((-(-rows // COLUMNS), part.shape[1]), np.uint8))
+        stepped[0][first // COLUMNS : first // COLUMNS + part.shape[0]] = part
+        slots.append(np.concatenate([d] + ([] if m is None else [m]), axis=2).astype(np.float32))
+        del q, d, m, part
     slots = np.concatenate(slots)
     _, blocks, count = slots.shape
     scales = count // (2 if minimum else 1)
     offset = next((k for k in OFFSETS if minimum and np.array_equal(slots[..., scales:], -k * slots[..., :scales])), 0)
     if offset:  # the minimums are -offset d: formed in the tile, not read
         slots, count = np.ascontiguousarray(slots[..., :scales]), scales
-    wide = not np.array_equal(slots.astype(np.float16).astype(np.float32), slots)
-    form = Form(stored < 8, scales, minimum, wide, planes, offset)
+    factors = _factors(slots, bases, scales)  # (1.5 bytes a scale, against float16's 2 and float32's 4)
+    wide = factors is None and not np.array_equal(slots.astype(np.float16).astype(np.float32), slots)
+    form = Form(stored < 8, scales, minimum, wide, planes, offset, factors is not None)
     groups = -(-rows // COLUMNS)
-    held = np.zeros((groups * COLUMNS, blocks, count), np.float32 if wide else np.float16)
-    held[:rows] = slots
-    # [group, column, block, slot] -> [group, block, slot, column]
-    held = np.ascontiguousarray(held.reshape(groups, COLUMNS, blocks, count).transpose(0, 2, 3, 1))
-    stepped, held = np.concatenate(stepped), held.reshape(groups, -1).view(np.uint8)
+
+    def by_group(values: np.ndarray) -> np.ndarray:  # [rows, a, b] -> [group, a, b, column], padded with zeros
+        padded = np.zeros((groups * COLUMNS, *values.shape[1:]), values.dtype)
+        padded[:rows] = values
+        return np.ascontiguousarray(padded.reshape(groups, COLUMNS, *values.shape[1:]).transpose(0, 2, 3, 1))
+
+    if factors is not None:
+        held = np.concatenate([by_group(f).reshape(groups, -1).view(np.uint8) for f in factors], axis=1)
+    else:
+        held = by_group(slots.astype(np.float32 if wide else np.float16)).reshape(groups, -1).view(np.uint8)
+    stepped = stepped[0]
     group_bytes = stepped.shape[1] + held.shape[1]
     return (stepped, held, form, rows, max(1, CHUNK_BYTES // group_bytes))
+
+
+SUPER = 8  # blocks of 32 in a K-quant super-block
+
+
+def _factors(slots: np.ndarray, bases: list, scales: int) -> tuple | None:
+    """The scales [rows, B, count] as K-quant files hold them, where they can be: a signed byte each [rows, B, count]
+    times its super-block's base [rows, B / 8, kinds] (the d's base, then the m's), every product equal to the
+    scale in float32; None where a part has no bases (not a K-quant) or a scale is not such a product (an offset
+    folded into a minimum)."""
+    if any(base is None for base in bases) or slots.shape[1] % SUPER:
+        return None
+    base = np.concatenate(bases)
+    rows, blocks, count = slots.shape
+    kinds = 1 + (count > scales)
+    base = np.ascontiguousarray(base[:, :, :kinds], np.float32)
+    ints = np.empty(slots.shape, np.int8)
+    for first in range(0, rows, REPACK_ROWS):  # (a chunk at a time: the temporaries stay small)
+        part = slice(first, first + REPACK_ROWS)
+        each = np.repeat(np.repeat(base[part], SUPER, axis=1), [scales] * (kinds - 1) + [count - scales * (kinds - 1)],
+                         axis=2)
+        with np.errstate(divide="ignore", invalid="ignore"):  # (exact where the scale is a multiple of the base)
+            found = np.rint(np.where(each != 0, slots[part] / np.where(each != 0, each, 1), 0))
+        if found.min(initial=0) < -128 or found.max(initial=0) > 127 or not np.array_equal(found * each, slots[part]):
+            return None
+        ints[part] = found
+    return ints, base
 
 
 def _steps(bits: int, q: np.ndarray) -> np.ndarray:
