@@ -154,11 +154,15 @@ def write_random_gguf(shape: Shape, path: Path, tokenizer: Path, seed: int = 0) 
 
 
 def quantize(quantizer: Path, source: Path, target: Path, kind: str) -> Path:
-    done = subprocess.run([str(quantizer), str(source), str(target), kind, str(os.cpu_count() or 1)],
+    """`source` quantized into `target`, written under another name first (a run stopped halfway leaves no file
+    that a later run would take for a whole one)."""
+    partial = target.with_suffix(".partial")
+    done = subprocess.run([str(quantizer), str(source), str(partial), kind, str(os.cpu_count() or 1)],
                           capture_output=True, text=True)
-    if done.returncode != 0 or not target.is_file():
+    if done.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
         raise CodespecError(f"llama-quantize {kind} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
-    return target
+    return partial.rename(target)
 
 
 def measure_codespec(path: Path, load_only: bool = False) -> dict:
@@ -284,7 +288,10 @@ def run(shapes: list[str], kinds: list[str], folder: Path, llama_server: Path | 
             else:
                 row["codespec"] = {**json.loads(done.stdout.strip().splitlines()[-1]),
                                    "first_run_s": round(first, 1)}
-            row["llama-server"] = measure_llama_server(llama_server, target, threads)
+            try:  # (a row that fails is reported as such; the other rows still run and are written)
+                row["llama-server"] = measure_llama_server(llama_server, target, threads)
+            except CodespecError as exc:
+                row["llama-server"] = {"error": str(exc).splitlines()[0][:300]}
             print(format_row(row), file=sys.stderr, flush=True)
             rows.append(row)
             if not keep:

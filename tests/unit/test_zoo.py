@@ -38,3 +38,34 @@ def test_the_zoo_names_what_it_cannot_run():
         zoo.run(["llama-9b"], ["Q3_K"], None, None, 2)
     with pytest.raises(CodespecError, match="pass --llama-server PATH"):
         zoo.run(["smollm2-1.7b"], ["Q4_0"], None, None, 2)
+
+
+def test_a_failed_quantization_leaves_no_file_and_a_failing_row_does_not_end_the_run(tmp_path, monkeypatch):
+    """llama-quantize stopped or failing leaves no file that a later run would take for a whole one (it writes under
+    another name); llama-server refusing one file is that row's error cell, and the next row still runs (a 1.7B
+    Q5_K_M left half-written by a stopped run once ended a whole zoo run, its rows unwritten)."""
+    import subprocess
+
+    quantizer = tmp_path / "llama-quantize"
+    quantizer.write_text('#!/bin/sh\necho half > "$2"\necho "no such type" >&2\nexit 1\n')
+    quantizer.chmod(0o755)
+    with pytest.raises(CodespecError, match="llama-quantize Q4_0 failed.*no such type"):
+        zoo.quantize(quantizer, tmp_path / "m-F16.gguf", tmp_path / "m-Q4_0.gguf", "Q4_0")
+    assert not list(tmp_path.glob("m-Q4_0*"))
+
+    (tmp_path / "smollm2-1.7b-F16.gguf").write_bytes(b"f16")
+    monkeypatch.setattr(zoo, "quantize", lambda _, __, target, kind: target.write_bytes(kind.encode()) and target)
+    measured = '{"engine": "codespec", "load_s": 1.0, "peak_rss_mb": 1, "prefill_tok_s": 2.0, "decode_tok_s": 3.0}'
+    monkeypatch.setattr(zoo.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, measured + "\n", ""))
+
+    def llama_server(_, target, __):
+        if "Q5_K_M" in target.name:
+            raise CodespecError("llama-server plain exited at start (code 1): model loading error")
+        return {"engine": "llama-server", "load_s": 1.0, "peak_rss_mb": 1, "prefill_tok_s": 2.0, "decode_tok_s": 2.0}
+
+    monkeypatch.setattr(zoo, "measure_llama_server", llama_server)
+    rows = zoo.run(["smollm2-1.7b"], ["Q5_K_M", "Q4_0"], tmp_path, quantizer.with_name("llama-server"), 2)
+    assert [row["type"] for row in rows] == ["Q5_K_M", "Q4_0"]
+    assert rows[0]["llama-server"] == {"error": "llama-server plain exited at start (code 1): model loading error"}
+    assert rows[1]["llama-server"]["decode_tok_s"] == 2.0 and not list(tmp_path.glob("*-Q*.gguf"))
+    assert "error: llama-server plain exited" in zoo.format_table(rows) and "Q4_0: decode 1.50x" in zoo.format_table(rows)
