@@ -174,7 +174,8 @@ def auto_gguf(model, forward: str, source: Optional[Path]) -> Optional[Path]:
 
 def instruction_set() -> str:
     """The widest instruction set the CPU kernels use here, as a person would name it."""
-    for feature, name in (("avx512vnni", "AVX512-VNNI"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("neon", "NEON")):
+    for feature, name in (("avx512vnni", "AVX512-VNNI"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("i8mm", "NEON-I8MM"),
+                          ("neon", "NEON")):
         if capabilities.host_has(feature):
             return name
     return "portable"

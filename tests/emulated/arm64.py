@@ -2,7 +2,8 @@
 
 On ARM64 codespec runs the IR modules that are plain IR (capabilities.NEEDS: no x86 feature): the float block
 tiles for every GGUF type, the attention tiles for float32 and float16 caches, SiLU; and the q8 tiles in ARM64's
-sdot (the dot-product extension), every type's blocks times rows rounded to 8 bits. This lane has two halves:
+sdot (the dot-product extension) and in its smmla (the int8 matrix multiply, i8mm), every type's blocks times rows
+rounded to 8 bits. This lane has two halves:
 
 - `prepare DIR` (natively, in the project's environment): writes each module's IR text exactly as codespec builds
   it for a CPU with 16 vector registers (ARM64's NEON has 32 of 128 bits: a 16-lane vector takes four, as AVX2's
@@ -51,15 +52,17 @@ def prepare(folder: Path) -> None:
         cases.append({"kind": "blocks", "name": kind.name, "functions": names})
         # the same blocks in the q8 tiles for ARM64's sdot, times the rows rounded to 8 bits (rounded8: numba, run
         # natively; the same code on ARM64), against the float64 product of the rounded rows and the blocks' values
+        # (and in smmla, two rows at a time, where the CPU has the int8 matrix multiply: the same packed blocks)
         q8, held, form, columns, _ = blocks.q8_packed("neon")
-        text, names = q8_tiles.source(form, "neon")
         xq, xd, xs, xh = q8_tiles.rounded8(x)
         rounded = xq.astype(np.float64) * np.repeat(xd, 32, axis=1)
         np.savez(folder / f"q8-{kind.name}.npz", x=xq, q=q8, s=held, xd=xd, xs=xs, xh=xh,
                  expected=rounded @ reference.T)
-        (folder / f"q8-{kind.name}.ll").write_text(text)
-        cases.append({"kind": "q8", "name": f"q8-{kind.name}", "functions": names, "columns": columns,
-                      "form": form.name})
+        for isa, needs in (("neon", "+dotprod"), ("i8mm", "+dotprod,+i8mm")):
+            text, names = q8_tiles.source(form, isa)
+            (folder / f"q8-{kind.name}-{isa}.ll").write_text(text)
+            cases.append({"kind": "q8", "name": f"q8-{kind.name}", "isa": isa, "needs": needs, "functions": names,
+                          "columns": columns, "form": form.name})
     text, names = attention_tiles.source(DIM, q8=None, most=attention_tiles.value_rows(False), depth_first=True)
     (folder / "attention.ll").write_text(text)
     count = 48  # keys, a multiple of 16
@@ -132,13 +135,14 @@ CPUS = (None, "neoverse-n1", "apple-m1")  # LLVM's own pick for the emulated CPU
 
 def compiled(text: str, names: list[str], needs: str = "") -> list[int]:
     """The functions `names` of IR `text` compiled for compiled.cpu (None: the emulated CPU as LLVM detects it,
-    plus `needs`, the features the module needs: qemu's CPU has them, LLVM may not see them through qemu-user)."""
+    plus `needs`, the features the module needs: qemu's CPU has them, LLVM may not see them through qemu-user; a
+    named CPU without them, an Apple M1's without i8mm, is given them, as qemu's "max" CPU runs them)."""
     import llvmlite.binding as llvm
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     cpu = compiled.cpu or llvm.get_host_cpu_name()
-    features = "" if compiled.cpu else ",".join(f for f in (llvm.get_host_cpu_features().flatten(), needs) if f)
+    features = needs if compiled.cpu else ",".join(f for f in (llvm.get_host_cpu_features().flatten(), needs) if f)
     machine = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features, opt=3)
     module = llvm.parse_assembly(text)
     module.verify()
@@ -194,8 +198,8 @@ def run_q8(folder: Path, case: dict) -> str:
     """The q8 tiles in sdot: rows in tiles of up to four (q8_tiles.linear), then each row alone, the same bits."""
     data = np.load(folder / f"{case['name']}.npz")
     x, q, s, xd, xs, xh = (np.ascontiguousarray(data[a]) for a in ("x", "q", "s", "xd", "xs", "xh"))
-    tiles = [ctypes.CFUNCTYPE(None, P, I, P, P, I, P, I, I, P, P, P)(a)
-             for a in compiled((folder / f"{case['name']}.ll").read_text(), case["functions"], "+dotprod")]
+    tiles = [ctypes.CFUNCTYPE(None, P, I, P, P, I, P, I, I, P, P, P)(a) for a in compiled(
+        (folder / f"{case['name']}-{case['isa']}.ll").read_text(), case["functions"], case["needs"])]
     rows, size = x.shape
     groups = q.shape[0]
 
@@ -214,7 +218,7 @@ def run_q8(folder: Path, case: dict) -> str:
     alone = np.concatenate([product(r, 1) for r in range(rows)])
     if not np.array_equal(alone, together):
         raise AssertionError(f"{case['name']}: a row alone and in a tile of four differ")
-    return f"{case['name']} ({case['form']}): {check(case['name'], together, data['expected']):.1e}"
+    return f"{case['name']} ({case['form']}, {case['isa']}): {check(case['name'], together, data['expected']):.1e}"
 
 
 def run_attention(folder: Path, case: dict) -> list[str]:

@@ -33,6 +33,7 @@ MODULES = {
     "q8 block tiles": lambda: every_form("avx2"),
     "q8 block tiles, vnni": lambda: every_form("vnni"),
     "q8 block tiles, neon": lambda: every_form("neon"),
+    "q8 block tiles, i8mm": lambda: every_form("i8mm"),
     "prompt attention": lambda: prompt_attention.source(64),
 }
 
@@ -116,16 +117,20 @@ def test_the_q8_tiles_for_avx2_form_their_integer_sums_in_vpmaddubsw(form):
     assert ("vpsignb" in assembly) == (not form.nibbles)
 
 
-def test_an_arm64_cpu_with_the_dot_product_runs_the_sdot_tiles_and_one_without_runs_float32(monkeypatch):
-    """The instruction set comes from the capability table: an ARM64 CPU's features (dotprod) pick the sdot tiles
-    (q8 activations, the default there too), one without them float32 activations, never an x86 tile."""
+def test_an_arm64_cpu_runs_the_smmla_tiles_with_i8mm_the_sdot_tiles_with_the_dot_product_else_float32(monkeypatch):
+    """The instruction set comes from the capability table: an ARM64 CPU's features pick the smmla tiles where it has
+    the int8 matrix multiply (i8mm), else the sdot tiles (dotprod; q8 activations, the default there too), one
+    without them float32 activations, never an x86 tile."""
     from codespec.forward import plan
 
     capabilities.available.cache_clear()
     monkeypatch.setattr(capabilities, "host_has", lambda feature: feature in ARM64_FEATURES)
     try:
-        assert q8_tiles.instruction_set() == "neon" and q8_tiles.available()
+        assert q8_tiles.instruction_set() == "i8mm" and q8_tiles.available()
         assert plan.q8_activations("auto", Path("model.gguf"))
+        capabilities.available.cache_clear()
+        monkeypatch.setattr(capabilities, "host_has", lambda feature: feature in ARM64_FEATURES - {"i8mm"})
+        assert q8_tiles.instruction_set() == "neon"
         capabilities.available.cache_clear()
         monkeypatch.setattr(capabilities, "host_has", lambda feature: feature in ARM64_FEATURES - {"dotprod"})
         assert q8_tiles.instruction_set() is None and not plan.q8_activations("auto", Path("model.gguf"))
@@ -212,7 +217,7 @@ def test_numbas_cache_folder_changes_with_any_module_that_uses_numba(monkeypatch
 
 
 ARM64 = {"apple-m1": "arm64-apple-macosx14.0.0", "neoverse-n1": "aarch64-unknown-linux-gnu"}  # a Mac, a Linux server
-ARM64_FEATURES = {"neon", "dotprod", "i8mm", "fp-armv8", "openmp"}  # what an Apple M1 or a Graviton has, as LLVM names
+ARM64_FEATURES = {"neon", "dotprod", "i8mm", "fp-armv8", "openmp"}  # an Apple M2's or a Graviton 3's, as LLVM names
 
 
 @pytest.mark.parametrize("cpu", sorted(ARM64))
@@ -224,7 +229,10 @@ def test_the_portable_modules_compile_for_arm64_and_the_x86_ones_are_never_asked
     if capabilities.missing(kernel, ARM64_FEATURES):
         assert any(feature.startswith("avx") for feature in capabilities.NEEDS[kernel])
         return
-    assembly = native.assembly(MODULES[kernel](), cpu, triple=ARM64[cpu])
+    i8mm = kernel == "q8 block tiles, i8mm"  # (an M1 and a Graviton 2 lack it: compiled with it)
+    assembly = native.assembly(MODULES[kernel](), cpu, "+i8mm" if i8mm else "", triple=ARM64[cpu])
     assert "fmla" in assembly and "ymm" not in assembly and "xmm" not in assembly
+    if i8mm:  # every form's integer sums in smmla, two rows by two columns a time, and no sdot
+        assert "smmla" in assembly and "sdot" not in assembly
     if kernel == "q8 block tiles, neon":  # every form's integer sums in sdot, 16 bytes by 16 into 4 lanes
         assert "sdot" in assembly  # (Apple's assembly spells it sdot.4s, Linux's sdot v0.4s)

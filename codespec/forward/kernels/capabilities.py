@@ -23,6 +23,7 @@ NEEDS = {
     "q8 block tiles": ("avx2",),  # q8_tiles.py: a GGUF's blocks times rows rounded to 8 bits, vpmaddubsw
     "q8 block tiles, vnni": ("avx512vnni",),  # the same tiles in vpdpbusd, where the CPU has it
     "q8 block tiles, neon": ("dotprod",),  # the same tiles in ARM64's sdot (the dot-product extension)
+    "q8 block tiles, i8mm": ("dotprod", "i8mm"),  # and in its smmla (the int8 matrix multiply), where it has it
     "prompt attention": ("avx512bf16",),  # prompt_attention.py: bfloat16 pairs, vdpbf16ps
 }
 

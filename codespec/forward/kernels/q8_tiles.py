@@ -154,7 +154,7 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
         text += SHARED[isa](form, weights)
     for j in range(rows):
         # %ci{j}_{part}: the 16 columns' integer sums over the block (part 0), or over each half (parts 0, 1)
-        text += SUMS[isa](form, weights, j)
+        text += SUMS[isa](form, weights, j, rows)
         text += f"  %xdp{j} = getelementptr float, ptr %xd{j}, i64 %b\n" + splat(f"xdv{j}", f"%xdp{j}",
                                                                                     "<16 x float>", "float")
         terms = []  # (x, y) of each x * y added to the row's sums, in order
@@ -194,7 +194,7 @@ def _row_inputs(j: int, step: int, lanes: int) -> str:
     return text + f"  %xv{j}_{step} = bitcast <{lanes} x i32> %xi{j}_{step} to <{lanes * 4} x i8>\n"
 
 
-def _vnni_sums(form: Form, weights: list, j: int) -> str:
+def _vnni_sums(form: Form, weights: list, j: int, rows: int) -> str:
     """%ci{j}_{part}: row j's 16 integer sums for the block, one vpdpbusd per step (64 products: the stored bytes,
     unsigned, times the signed inputs) in two independent chains, steps 0-3 (weights 0-15) and 4-7 (16-31): added
     for a form of one scale (exact in any order), each its own part for a form of two."""
@@ -228,7 +228,7 @@ def _avx2_weights(form: Form, weights: list) -> str:
     return text
 
 
-def _avx2_sums(form: Form, weights: list, j: int) -> str:
+def _avx2_sums(form: Form, weights: list, j: int, rows: int) -> str:
     """%ci{j}_{part}: row j's 16 integer sums in AVX2's vpmaddubsw (unsigned bytes times signed bytes, pairs added
     into 16-bit lanes, saturating) and vpmaddwd (16-bit pairs added into 32 bits). No sum saturates, so each is
     exact:
@@ -288,7 +288,7 @@ def _neon_weights(form: Form, weights: list) -> str:
     return text
 
 
-def _neon_sums(form: Form, weights: list, j: int) -> str:
+def _neon_sums(form: Form, weights: list, j: int, rows: int) -> str:
     """%ci{j}_{part}: row j's 16 integer sums in ARM64's sdot (16 signed bytes times 16, each four adjacent products
     added into one of four 32-bit lanes: a quarter's four columns), one per quarter and step, in the VNNI tiles'
     two chains (steps 0-3, 4-7): added for a form of one scale, each its own part for two. A product is at most
@@ -316,12 +316,80 @@ def _neon_sums(form: Form, weights: list, j: int) -> str:
     return text
 
 
-SHARED = {"avx2": _avx2_weights, "neon": _neon_weights}  # what a block's weights become once, for all the rows
-SUMS = {"vnni": _vnni_sums, "avx2": _avx2_sums, "neon": _neon_sums}
+def _i8mm_weights(form: Form, weights: list) -> str:
+    """Per pair of steps (p, p + 1: weights 4p..4p + 7) and pair of columns (2c, 2c + 1), the 16 bytes smmla takes
+    as its second matrix %mm{p}_{c}: column 2c's eight weights, then column 2c + 1's (signed: bytes less 128), shared
+    by the rows."""
+    text, steps = "", dict(weights)
+    for step, vector in weights:
+        if not form.nibbles:
+            text += f"  %mb{step}.s = xor <64 x i8> {vector}, splat (i8 -128)\n"
+            steps[step] = f"%mb{step}.s"
+    for p in range(0, 8, 2):
+        for c in range(8):
+            first, second = range(8 * c, 8 * c + 4), range(8 * c + 4, 8 * c + 8)  # columns 2c and 2c + 1 in a step
+            order = [*first, *(64 + i for i in first), *second, *(64 + i for i in second)]
+            text += (f"  %mm{p}_{c} = shufflevector <64 x i8> {steps[p]}, <64 x i8> {steps[p + 1]}, "
+                     f"<16 x i32> <{lanes(order)}>\n")
+    return text
+
+
+def _i8mm_sums(form: Form, weights: list, j: int, rows: int) -> str:
+    """%ci{j}_{part} and %ci{j + 1}_{part}: two rows' 16 integer sums at once in ARM64's smmla (a 2 x 8 matrix of
+    signed bytes times an 8 x 2 one into a 2 x 2 of 32-bit sums: rows j and j + 1 against columns 2c and 2c + 1), one
+    per pair of columns and pair of steps: half sdot's instructions. A row with no partner (the last of an odd
+    count) is paired with itself and the copy dropped. Exact, as sdot's: 16 products of at most 128 x 127 a lane."""
+    if j % 2:
+        return ""  # (row j - 1's pair made them)
+    other = j + 1 if j + 1 < rows else j
+    text = ""
+    for p in range(0, 8, 2):  # the two rows' eight inputs of steps p and p + 1, side by side
+        for row in dict.fromkeys((j, other)):
+            text += (f"  %yo{row}_{p} = add i64 %xb, {4 * p}\n  %yp{row}_{p} = getelementptr i8, ptr %x{row}, "
+                     f"i64 %yo{row}_{p}\n  %yv{row}_{p} = load <8 x i8>, ptr %yp{row}_{p}, align 1\n")
+        text += (f"  %yy{j}_{p} = shufflevector <8 x i8> %yv{j}_{p}, <8 x i8> %yv{other}_{p}, "
+                 f"<16 x i32> <{lanes(range(16))}>\n")
+    chains = {}
+    for chain in (0, 1):  # steps 0-3 (weights 0-15) and 4-7 (16-31): each a scale's part, or added
+        for c in range(8):
+            total = "zeroinitializer"
+            for p in (4 * chain, 4 * chain + 2):
+                name = f"%mmc{j}_{p}_{c}"
+                text += (f"  {name} = call <4 x i32> @llvm.aarch64.neon.smmla.v4i32.v16i8(<4 x i32> {total}, "
+                         f"<16 x i8> %yy{j}_{p}, <16 x i8> %mm{p}_{c})\n")
+                total = name
+            chains[chain, c] = total
+    if form.scales == 1:
+        for c in range(8):
+            text += f"  %mms{j}_{c} = add <4 x i32> {chains[0, c]}, {chains[1, c]}\n"
+        parts = {0: [f"%mms{j}_{c}" for c in range(8)]}
+    else:
+        parts = {part: [chains[part, c] for c in range(8)] for part in (0, 1)}
+    for part, sums in parts.items():  # [r0 c2k, r0 c2k+1, r1 c2k, r1 c2k+1] per k -> each row's 16 columns in order
+        for half, row in enumerate(dict.fromkeys((j, other))):
+            pick = (0, 1, 4, 5) if half == 0 else (2, 3, 6, 7)
+            quads = []
+            for k in range(0, 8, 2):
+                quads.append(f"%mq{row}_{part}_{k}")
+                text += (f"  {quads[-1]} = shufflevector <4 x i32> {sums[k]}, <4 x i32> {sums[k + 1]}, "
+                         f"<4 x i32> <{lanes(pick)}>\n")
+            text += (f"  %mo{row}_{part}_0 = shufflevector <4 x i32> {quads[0]}, <4 x i32> {quads[1]}, "
+                     f"<8 x i32> <{lanes(range(8))}>\n"
+                     f"  %mo{row}_{part}_1 = shufflevector <4 x i32> {quads[2]}, <4 x i32> {quads[3]}, "
+                     f"<8 x i32> <{lanes(range(8))}>\n"
+                     f"  %ci{row}_{part} = shufflevector <8 x i32> %mo{row}_{part}_0, <8 x i32> %mo{row}_{part}_1, "
+                     f"<16 x i32> <{lanes(range(16))}>\n")
+    return text
+
+
+SHARED = {"avx2": _avx2_weights, "neon": _neon_weights, "i8mm": _i8mm_weights}  # a block's weights, for all rows
+SUMS = {"vnni": _vnni_sums, "avx2": _avx2_sums, "neon": _neon_sums, "i8mm": _i8mm_sums}
 ISAS = {  # the integer dot products' instruction sets: their entries in the capability table, the most rows a tile takes
     "vnni": ("q8 block tiles, vnni", 8),  # AVX512-VNNI's vpdpbusd: 32 registers of 16 lanes
     "avx2": ("q8 block tiles", 4),  # AVX2's vpmaddubsw and vpmaddwd (x86-64-v3): 16 registers of 8 lanes; 2 and 8
     # rows measured slower over 4 and 16 rows (the Qwen2.5-Coder-0.5B shape's MLP, 2-core AVX2)
+    "i8mm": ("q8 block tiles, i8mm", 4),  # ARM64's smmla (the int8 matrix multiply: Apple M2 on, Graviton 3 on),
+    # two rows at a time: run emulated only (tests/emulated/arm64.py), not yet timed
     "neon": ("q8 block tiles, neon", 4),  # ARM64's sdot (the dot-product extension: Apple M1 on, Neoverse N1 on):
     # 32 registers of 4 lanes, as many bits as AVX2's; run emulated only (tests/emulated/arm64.py), not yet timed
 }
@@ -332,6 +400,8 @@ DECLARATIONS = {
     "declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)\ndeclare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)\n",
     "neon": FMA_DECLARATION
     + "declare <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32>, <16 x i8>, <16 x i8>)\n",
+    "i8mm": FMA_DECLARATION
+    + "declare <4 x i32> @llvm.aarch64.neon.smmla.v4i32.v16i8(<4 x i32>, <16 x i8>, <16 x i8>)\n",
 }
 
 
