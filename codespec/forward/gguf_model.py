@@ -58,21 +58,35 @@ def placeholder(shape) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.zeros(1).expand(*shape), requires_grad=False)
 
 
+def saved_tokenizer(folder: Path, config):
+    """The tokenizer saved in `folder`: where transformers saved it as its own class for a tokenizer.json
+    (TokenizersBackend, as the default model's is), that class directly; AutoTokenizer looks the class up in a table
+    it builds by reading every model's source files, 1 s of every load. Other classes (Qwen2Tokenizer builds its
+    pipeline anew, and encodes otherwise than the saved file read plainly) through AutoTokenizer."""
+    if json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class") == "TokenizersBackend":
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, config=config)
+
+
 def metadata(path: Path, folder: Path):
     """(config, tokenizer) of the GGUF at `path`: from `folder` when saved there, else built by transformers from the
     file's metadata and saved there (the first load). The config is transformers' base class holding the saved
     fields: its Llama and Qwen classes (and AutoConfig, and AutoTokenizer without a config) import
     torch.distributed.tensor and torch._dynamo, 1.7 s of every load."""
-    from transformers import AutoTokenizer, PretrainedConfig
+    from transformers import PretrainedConfig
 
     stamp = folder / "source.json"
     if stamp.is_file():
         try:
             config = PretrainedConfig(**json.loads((folder / "config.json").read_text()), name_or_path=str(folder))
-            return config, AutoTokenizer.from_pretrained(folder, config=config)
+            return config, saved_tokenizer(folder, config)
         except Exception:  # a damaged copy: built again below
             pass
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -302,18 +302,23 @@ def _neon_sums(form: Form, weights: list, j: int, rows: int) -> str:
             text += (f"  {name} = call <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32> {chains[step // 4, k]}, "
                      f"<16 x i8> %n{step}_{k}, <16 x i8> %xv{j}_{step})\n")
             chains[step // 4, k] = name
-    if form.scales == 1:
-        for k in range(4):
-            text += f"  %c{j}_{k} = add <4 x i32> {chains[0, k]}, {chains[1, k]}\n"
-        parts = {0: [f"%c{j}_{k}" for k in range(4)]}
-    else:
-        parts = {part: [chains[part, k] for k in range(4)] for part in (0, 1)}
+    added, parts = _parts(form, chains, 4, f"%c{j}")
+    text += added
     for part, (a, b, c, d) in parts.items():  # four quarters into the 16 columns, in order
         text += (f"  %ci{j}_{part}.l = shufflevector <4 x i32> {a}, <4 x i32> {b}, <8 x i32> <{lanes(range(8))}>\n"
                  f"  %ci{j}_{part}.h = shufflevector <4 x i32> {c}, <4 x i32> {d}, <8 x i32> <{lanes(range(8))}>\n"
                  f"  %ci{j}_{part} = shufflevector <8 x i32> %ci{j}_{part}.l, <8 x i32> %ci{j}_{part}.h, "
                  f"<16 x i32> <{lanes(range(16))}>\n")
     return text
+
+
+def _parts(form: Form, chains: dict, count: int, name: str) -> tuple[str, dict]:
+    """The two chains' `count` vectors of <4 x i32> sums (steps 0-3, 4-7: chains[chain, k]) as the tile's parts:
+    added into one (a form of one scale: `name`_k) or each its own (two scales). (IR text, {part: vectors})."""
+    if form.scales == 2:
+        return "", {part: [chains[part, k] for k in range(count)] for part in (0, 1)}
+    text = "".join(f"  {name}_{k} = add <4 x i32> {chains[0, k]}, {chains[1, k]}\n" for k in range(count))
+    return text, {0: [f"{name}_{k}" for k in range(count)]}
 
 
 def _i8mm_weights(form: Form, weights: list) -> str:
@@ -359,12 +364,8 @@ def _i8mm_sums(form: Form, weights: list, j: int, rows: int) -> str:
                          f"<16 x i8> %yy{j}_{p}, <16 x i8> %mm{p}_{c})\n")
                 total = name
             chains[chain, c] = total
-    if form.scales == 1:
-        for c in range(8):
-            text += f"  %mms{j}_{c} = add <4 x i32> {chains[0, c]}, {chains[1, c]}\n"
-        parts = {0: [f"%mms{j}_{c}" for c in range(8)]}
-    else:
-        parts = {part: [chains[part, c] for c in range(8)] for part in (0, 1)}
+    added, parts = _parts(form, chains, 8, f"%mms{j}")
+    text += added
     for part, sums in parts.items():  # [r0 c2k, r0 c2k+1, r1 c2k, r1 c2k+1] per k -> each row's 16 columns in order
         for half, row in enumerate(dict.fromkeys((j, other))):
             pick = (0, 1, 4, 5) if half == 0 else (2, 3, 6, 7)
