@@ -532,7 +532,7 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
     planes of the higher bits (0.625 and 0.75 bytes a weight against a byte; BITS): a block of signed weights
     (Q5_0's, Q6_K's) plus 16 or 32, its minimum less 16 or 32 d. (q, scales, form, rows, column groups a thread takes at a
     time)."""
-    stepped, slots, bases, minimum = [], [], [], False
+    stepped, slots, bases, minimum = None, [], [], False
     planes = planes if isa == "vnni" and bits == 8 else 0
     stored = 4 + planes if planes else bits  # the bits _steps lays out
     for first in range(0, rows, REPACK_ROWS):
@@ -548,9 +548,9 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
             m = -128 * d if m is None else m - 128 * d
         minimum = m is not None
         part = _steps(stored, q)
-        if not stepped:  # (filled a chunk at a time: a 152k-row output layer's steps held once, not twice)
-            stepped.append(np.empty((-(-rows // COLUMNS), part.shape[1]), np.uint8))
-        stepped[0][first // COLUMNS : first // COLUMNS + part.shape[0]] = part
+        if stepped is None:  # (filled a chunk at a time: a 152k-row output layer's steps held once, not twice)
+            stepped = np.empty((-(-rows // COLUMNS), part.shape[1]), np.uint8)
+        stepped[first // COLUMNS : first // COLUMNS + part.shape[0]] = part
         slots.append(np.concatenate([d] + ([] if m is None else [m]), axis=2).astype(np.float32))
         del q, d, m, part
     slots = np.concatenate(slots)
@@ -573,7 +573,6 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
         held = np.concatenate([by_group(f).reshape(groups, -1).view(np.uint8) for f in factors], axis=1)
     else:
         held = by_group(slots.astype(np.float32 if wide else np.float16)).reshape(groups, -1).view(np.uint8)
-    stepped = stepped[0]
     group_bytes = stepped.shape[1] + held.shape[1]
     return (stepped, held, form, rows, max(1, CHUNK_BYTES // group_bytes))
 
@@ -595,8 +594,7 @@ def _factors(slots: np.ndarray, bases: list, scales: int) -> tuple | None:
     ints = np.empty(slots.shape, np.int8)
     for first in range(0, rows, REPACK_ROWS):  # (a chunk at a time: the temporaries stay small)
         part = slice(first, first + REPACK_ROWS)
-        each = np.repeat(np.repeat(base[part], SUPER, axis=1), [scales] * (kinds - 1) + [count - scales * (kinds - 1)],
-                         axis=2)
+        each = np.repeat(base[part], SUPER, axis=1)[:, :, [0] * scales + [kinds - 1] * (count - scales)]
         with np.errstate(divide="ignore", invalid="ignore"):  # (exact where the scale is a multiple of the base)
             found = np.rint(np.where(each != 0, slots[part] / np.where(each != 0, each, 1), 0))
         if found.min(initial=0) < -128 or found.max(initial=0) > 127 or not np.array_equal(found * each, slots[part]):
