@@ -50,11 +50,11 @@ def prepare(folder: Path) -> None:
                  expected=x.astype(np.float64) @ reference.T)
         (folder / f"{kind.name}.ll").write_text(text)
         cases.append({"kind": "blocks", "name": kind.name, "functions": names})
-        # the same blocks in the q8 tiles for ARM64's sdot, times the rows rounded to 8 bits (rounded8: numba, run
-        # natively; the same code on ARM64), against the float64 product of the rounded rows and the blocks' values
+        # the same blocks in the q8 tiles for ARM64's sdot, times the rows rounded to 8 bits (rounded8: run
+        # natively), against the float64 product of the rounded rows and the blocks' values
         # (and in smmla, two rows at a time, where the CPU has the int8 matrix multiply: the same packed blocks)
         q8, held, form, columns, _ = blocks.q8_packed("neon")
-        xq, xd, xs, xh = q8_tiles.rounded8(x)
+        xq, xd, xs, xh = q8_tiles.rounded8(x, q8_tiles.rounder())
         rounded = xq.astype(np.float64) * np.repeat(xd, 32, axis=1)
         np.savez(folder / f"q8-{kind.name}.npz", x=xq, q=q8, s=held, xd=xd, xs=xs, xh=xh,
                  expected=rounded @ reference.T)

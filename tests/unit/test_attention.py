@@ -149,3 +149,37 @@ def test_rows_past_the_end_of_a_cache_are_refused_before_the_kernel_writes_them(
     attention.make_table([Rows(cache, [0, 0], 2)], [0], 1)  # fills it exactly
     with pytest.raises(ValueError, match="overflow a cache of 32"):
         attention.make_table([Rows(cache, [0, 0, 0], 3)], [0], 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_pairs_query_rows_split_between_threads_give_the_bits_of_one_task(dtype):
+    """One sequence's 3 KV heads on 2 threads would leave a thread idle a third of the time: `_attend` splits each
+    (sequence, KV head)'s query rows into parts where the pairs do not share out evenly; every row gets the same bits
+    as when its pair is one task, for any number of parts, and the new keys and values are written once."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, start, count = 9, 3, 64, 700, 8
+    rows = heads * count
+    qk = torch.randn(count, heads + kv_heads, dim) / dim ** 0.5
+    v = torch.randn(count, kv_heads, dim)
+    width = attention.padded_width(start + count)
+    outs = []
+    for threads in (1, 2, 3, 5, 100):
+        cache = StaticCache(1, kv_heads, dim, 1024, dtype, "cpu")
+        torch.manual_seed(3)
+        cache.keys.normal_()
+        cache.values.normal_()
+        cache.length = start
+        table = attention.make_table([Rows(cache, [0] * count, count)], [0], heads)
+        assert attention.parts(table.numpy(), kv_heads, heads // kv_heads, threads) == (1 if threads in (1, 3) else
+                                                                                        threads)
+        scores, weights = (torch.empty(rows, width) for _ in range(2))
+        out = torch.full((count, heads, dim), float("nan"))
+        attention._attend(qk.numpy(), v.numpy(), table.numpy(), 0, heads, kv_heads, scores.numpy(), weights.numpy(),
+                          out.numpy(), attention.attention_tiles.kernels(dim), threads)
+        assert torch.equal(cache.keys[0, :, start : start + count], qk[:, heads:].transpose(0, 1).to(dtype))
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    decoding = attention.make_table([Rows(cache, [0], 1)], [0], heads)  # 3 rows a pair: whole, keys read once each
+    assert attention.parts(decoding.numpy(), kv_heads, heads // kv_heads, 2) == 1

@@ -46,8 +46,9 @@ VNNI_FORMS = [q8_tiles.Form(True, 1, True, False, 1, 16), q8_tiles.Form(True, 1,
 
 def every_form(isa: str) -> str:
     """The q8 tiles of instruction set `isa` for every form they hold blocks in, one module."""
-    return q8_tiles.DECLARATIONS[isa] + "".join(
-        q8_tiles.source(form, isa)[0].removeprefix(q8_tiles.DECLARATIONS[isa])
+    prelude = q8_tiles.DECLARATIONS[isa] + q8_tiles.ROUND_DECLARATIONS + q8_tiles.ROUND_IR  # (@round8 once)
+    return prelude + "".join(
+        q8_tiles.source(form, isa)[0].removeprefix(prelude)
         for form in FORMS + (VNNI_FORMS if isa == "vnni" else [q8_tiles.Form(True, offset=8)]))
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from codespec.forward.kernels import block_tiles, capabilities, native, q8_tiles
+from codespec.forward.kernels import block_tiles, capabilities, q8_tiles
 from codespec.config import ModelConfig
 from codespec.errors import CodespecError
 from codespec.forward import Rows, forward_path
@@ -29,7 +29,7 @@ def rounded_reference(x: np.ndarray) -> np.ndarray:
 def test_rounding_keeps_each_block_within_half_a_step_and_sums_its_integers():
     x = np.random.default_rng(0).standard_normal((3, 96)).astype(np.float32)
     x[1, 32:64] = 0  # an all-zero block: scale 0, no division by zero
-    xq, xd, xs, xh = q8_tiles.rounded8(x)
+    xq, xd, xs, xh = q8_tiles.rounded8(x, q8_tiles.rounder())
     assert xq.dtype == np.int8 and np.abs(xq).max() == 127
     halves = xq.reshape(3, 6, 16).sum(axis=2).astype(np.float32)  # each half block's sum, times its block's xd
     assert np.array_equal(xh, (xd.repeat(2, axis=1) * halves).astype(np.float32))
@@ -38,8 +38,22 @@ def test_rounding_keeps_each_block_within_half_a_step_and_sums_its_integers():
     assert np.array_equal(xs, (xd * xq.reshape(3, 3, 32).sum(axis=2)).astype(np.float32))
     assert not xq[1, 32:64].any() and xd[1, 1] == 0
     many = np.random.default_rng(1).standard_normal((20, 96)).astype(np.float32)  # rounded in parallel
-    for got, alone in zip(q8_tiles.rounded8(many), q8_tiles.rounded8(many[7:8])):
+    for got, alone in zip(q8_tiles.rounded8(many, q8_tiles.rounder()), q8_tiles.rounded8(many[7:8], q8_tiles.rounder())):
         assert np.array_equal(got[7:8], alone)
+    # every value is float32's IEEE result of the formula, element by element (numpy's, here)
+    wide = (many * np.exp(np.random.default_rng(2).standard_normal((20, 96)) * 4)).astype(np.float32)
+    wide[3, :32] = 0
+    wide[4, 40] = -wide[4, 32:64].__abs__().max() * 2  # the block's largest magnitude negative
+    xq, xd, xs, xh = q8_tiles.rounded8(wide[:, :64], q8_tiles.rounder())  # rows of contiguous floats, strided
+    blocks = wide[:, :64].reshape(20, 2, 32)
+    top = np.abs(blocks).max(axis=2)
+    inverse = np.where(top > 0, np.float32(127.0) / np.where(top > 0, top, 1), np.float32(0)).astype(np.float32)
+    integers = np.rint(blocks * inverse[:, :, None]).astype(np.int32)
+    assert np.array_equal(xq, integers.reshape(20, 64).astype(np.int8))
+    assert np.array_equal(xd, top / np.float32(127.0))
+    halves = integers.reshape(20, 4, 16).sum(axis=2).astype(np.float32)
+    assert np.array_equal(xh, xd.repeat(2, axis=1) * halves)
+    assert np.array_equal(xs, xd * integers.sum(axis=2).astype(np.float32))
 
 
 @pytest.mark.needs_kernels("q8 block tiles")
@@ -140,7 +154,7 @@ def test_k_quant_scales_are_held_as_the_files_integers_and_give_the_bits_of_floa
         assert factored[1].nbytes < wide[1].nbytes / 2 and np.array_equal(factored[0], wide[0])
         outputs = []
         for q, held, form, rows, chunk in (factored, wide):
-            weight = (q, held, native.compile_ir(*q8_tiles.source(form, isa), kernel), rows, chunk)
+            weight = (q, held, q8_tiles.compiled_tiles(form, isa), rows, chunk)
             outputs.append(q8_tiles.linear(x, weight))
             for first, count in [(0, 1), (7, 1), (3, 4), (11, 8)]:
                 assert np.array_equal(q8_tiles.linear(np.ascontiguousarray(x[first : first + count]), weight),

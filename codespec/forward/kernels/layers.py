@@ -350,7 +350,7 @@ def _attend_apart(apart: Apart, layer: int, qkv: np.ndarray, attended: np.ndarra
 
 
 @numba.njit(fastmath=False, cache=True, boundscheck=False)
-def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels):
+def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels, threads):
     """The attention of the sequences in `table` (attention.py's kernels) at `layer`, from the rotated q/k/v
     projection [rows, (heads + 2 kv_heads) dim], into attended [rows, heads, dim]. q and k go to the kernels as a
     contiguous copy: as a strided view they compile unvectorised (see the module's doc)."""
@@ -358,19 +358,19 @@ def _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, a
     qk_size = (heads + kv_heads) * dim
     qk = np.ascontiguousarray(qkv[:, :qk_size]).reshape(rows, heads + kv_heads, dim)
     v = np.ascontiguousarray(qkv[:, qk_size:]).reshape(rows, kv_heads, dim)
-    attention._attend(qk, v, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
+    attention._attend(qk, v, table, layer, heads, kv_heads, scores, probabilities, attended, kernels, threads)
 
 
 @numba.njit(fastmath=False, cache=True, boundscheck=False)
 def _layers(x, norms, biases, qk_norms, projections, eps, turn, table, scores, probabilities, attended, heads,
-            kv_heads, kernels, silu):
-    """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels: the
-    Python loop in `forward`, without its calls and array views (see the module's doc)."""
+            kv_heads, kernels, silu, threads):
+    """Every layer over x [rows, hidden] in place, when every sequence attends in attention.py's kernels (on
+    `threads` threads): the Python loop in `forward`, without its calls and array views (see the module's doc)."""
     rows, dim = x.shape[0], attended.shape[2]
     for layer in range(len(projections) // 4):
         qkv = _attention_in(x, norms[2 * layer], eps, projections[4 * layer], biases[layer], qk_norms[layer], turn,
                             (heads + kv_heads) * dim)
-        _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
+        _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels, threads)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), projections[4 * layer + 1],
                                norms[2 * layer + 1], eps, projections[4 * layer + 2], projections[4 * layer + 3],
                                silu)
@@ -427,7 +427,7 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
         probabilities = probabilities[: score_rows * width].view(score_rows, width).numpy()
         if not apart:  # the whole layer loop in numba
             _layers(x, weights.norms, weights.biases, weights.qk_norms, weights.projections, eps, turn, table, scores,
-                    probabilities, attended, heads, kv_heads, kernels, silu)
+                    probabilities, attended, heads, kv_heads, kernels, silu, numba.get_num_threads())
             return torch.from_numpy(_output(x[keep], weights.final_norm, eps, weights.head))
     if table is None and len(apart) == 1 and apart[0].bfloat16 and apart[0].cache.keys.dtype != torch.int8:
         _prompt_chunk(weights, x, turn, apart[0].cache, attended, eps, heads, kv_heads, silu)
@@ -437,7 +437,8 @@ def forward(weights: Weights, x: torch.Tensor, rotary: torch.Tensor, table: Opti
         qkv = _attention_in(x, weights.norms[2 * layer], eps, qkv_w, weights.biases[layer], weights.qk_norms[layer],
                             turn, (heads + kv_heads) * dim)
         if table is not None:
-            _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels)
+            _attend_kernels(qkv, table, layer, heads, kv_heads, scores, probabilities, attended, kernels,
+                            numba.get_num_threads())
         for sequence in apart:
             _attend_apart(sequence, layer, qkv, attended, heads, kv_heads, dim)
         _attention_out_and_mlp(x, attended.reshape(rows, heads * dim), o_w, weights.norms[2 * layer + 1], eps,

@@ -32,7 +32,7 @@ import numpy as np
 from numba import prange
 
 from . import capabilities
-from .ir import FMA_DECLARATION, lanes, splat
+from .ir import FMA_DECLARATION, constant, lanes, splat
 from .native import call, compile_ir
 
 COLUMNS = 16  # output columns a tile computes (one 16-lane vector)
@@ -418,51 +418,78 @@ def available() -> bool:
 
 
 def source(form: Form, isa: str) -> tuple[str, list[str]]:
-    """The IR module of `form`'s tiles in instruction set `isa` for 1..ISAS[isa][1] rows, and their names."""
+    """The IR module of `form`'s tiles in instruction set `isa` for 1..ISAS[isa][1] rows, and their names (the module
+    also holds ROUND_IR's @round8, which `tiles` takes with them)."""
     names = [f"q8_{form.name}_{isa}_{rows}" for rows in range(1, ISAS[isa][1] + 1)]
-    return DECLARATIONS[isa] + "".join(tile_ir(name, form, rows, isa)
-                                       for rows, name in enumerate(names, start=1)), names
+    return DECLARATIONS[isa] + ROUND_DECLARATIONS + ROUND_IR + "".join(
+        tile_ir(name, form, rows, isa) for rows, name in enumerate(names, start=1)), names
 
 
 @functools.cache
 def tiles(form: Form) -> np.ndarray:
-    """The addresses of `form`'s tiles for one row and more (entry i takes i + 1 rows), compiled for this CPU."""
+    """`form`'s tiles compiled for this CPU's instruction set (`compiled_tiles`)."""
     isa = instruction_set()
     if isa is None:
         capabilities.check("q8 block tiles")  # MissingInstructions, naming what the AVX2 tiles need
-    return compile_ir(*source(form, isa), ISAS[isa][0])
+    return compiled_tiles(form, isa)
 
 
-# fastmath=False said, not left out: numba lets a callee that does not say inherit its caller's fastmath, and caches
-# whichever it compiled first (layers.py's fast-math loops call this): 127 / a then became a product by a reciprocal
-# in some processes and not others, and the text of the first run after a fresh cache differed from later runs'
-@numba.njit(fastmath=False, cache=True, boundscheck=False)
-def _round_row(x, r, xq, xd, xs, xh):
-    """Row r of x rounded to 8 bits per block of 32 into xq, xd, xs and xh (see rounded8)."""
-    for b in range(xd.shape[1]):
-        top = np.float32(0.0)
-        for i in range(b * 32, b * 32 + 32):
-            top = max(top, abs(x[r, i]))
-        inverse = np.float32(127.0) / top if top > 0 else np.float32(0.0)
-        halves = [0, 0]
-        for i in range(b * 32, b * 32 + 32):
-            value = np.int32(np.rint(x[r, i] * inverse))
-            xq[r, i] = value
-            halves[(i - b * 32) // 16] += value
-        xd[r, b] = top / np.float32(127.0)
-        xs[r, b] = xd[r, b] * np.float32(halves[0] + halves[1])
-        xh[r, 2 * b] = xd[r, b] * np.float32(halves[0])
-        xh[r, 2 * b + 1] = xd[r, b] * np.float32(halves[1])
+def compiled_tiles(form: Form, isa: str) -> np.ndarray:
+    """The addresses of `form`'s tiles in `isa` for one row and more (entry i takes i + 1 rows), then of @round8 (the
+    last entry: `linear` rounds its rows with it)."""
+    text, names = source(form, isa)
+    return compile_ir(text, names + ["round8"], ISAS[isa][0])
 
+
+def rounder() -> int:
+    """The address of this CPU's @round8 (for rounded8's callers outside `linear`)."""
+    return int(tiles(Form(nibbles=True))[-1])
+
+
+ROUND_DECLARATIONS = ("declare <16 x float> @llvm.fabs.v16f32(<16 x float>)\n"
+                      "declare <16 x float> @llvm.maxnum.v16f32(<16 x float>, <16 x float>)\n"
+                      "declare float @llvm.vector.reduce.fmax.v16f32(<16 x float>)\n"
+                      "declare <16 x float> @llvm.rint.v16f32(<16 x float>)\n"
+                      "declare i32 @llvm.vector.reduce.add.v16i32(<16 x i32>)\n")
+# @round8(x, blocks, xq, xd, xs, xh): one row of `blocks` blocks of 32 floats rounded to 8 bits (rounded8's xq, xd,
+# xs and xh of that row), 16 lanes at a time: a = max |x| (exact in any order), xq = rint(x * (127 / a)) (0 where a
+# is 0), xd = a / 127, xs = xd * float(sum of xq), xh = xd * float(each half's sum), every operation IEEE float32 as
+# numba's scalar loop did it (which ran one element at a time: 12 us a 16-row, 576-wide input; 120 of them a forward)
+ROUND_IR = (
+    "define void @round8(ptr noalias %x, i64 %blocks, ptr noalias %xq, ptr noalias %xd, ptr noalias %xs, "
+    "ptr noalias %xh) {\nentry:\n  br label %loop\nloop:\n"
+    "  %b = phi i64 [ 0, %entry ], [ %b.next, %loop ]\n  %o0 = mul i64 %b, 32\n  %o1 = add i64 %o0, 16\n"
+    + "".join(f"  %p{h} = getelementptr float, ptr %x, i64 %o{h}\n  %v{h} = load <16 x float>, ptr %p{h}, align 4\n"
+              f"  %a{h} = call <16 x float> @llvm.fabs.v16f32(<16 x float> %v{h})\n" for h in (0, 1))
+    + "  %a = call <16 x float> @llvm.maxnum.v16f32(<16 x float> %a0, <16 x float> %a1)\n"
+    "  %top = call float @llvm.vector.reduce.fmax.v16f32(<16 x float> %a)\n"
+    f"  %some = fcmp ogt float %top, 0.0\n  %ratio = fdiv float {constant(127.0)}, %top\n"
+    "  %inverse = select i1 %some, float %ratio, float 0.0\n"
+    "  %iv.v = insertelement <16 x float> poison, float %inverse, i64 0\n"
+    "  %iv = shufflevector <16 x float> %iv.v, <16 x float> poison, <16 x i32> zeroinitializer\n"
+    f"  %d = fdiv float %top, {constant(127.0)}\n"
+    + "".join(f"  %s{h} = fmul <16 x float> %v{h}, %iv\n"
+              f"  %r{h} = call <16 x float> @llvm.rint.v16f32(<16 x float> %s{h})\n"
+              f"  %i{h} = fptosi <16 x float> %r{h} to <16 x i32>\n  %q{h} = trunc <16 x i32> %i{h} to <16 x i8>\n"
+              f"  %qp{h} = getelementptr i8, ptr %xq, i64 %o{h}\n  store <16 x i8> %q{h}, ptr %qp{h}, align 1\n"
+              f"  %n{h} = call i32 @llvm.vector.reduce.add.v16i32(<16 x i32> %i{h})\n"
+              f"  %n{h}f = sitofp i32 %n{h} to float\n  %h{h} = fmul float %d, %n{h}f\n" for h in (0, 1))
+    + "  %n = add i32 %n0, %n1\n  %nf = sitofp i32 %n to float\n  %sum = fmul float %d, %nf\n"
+    "  %dp = getelementptr float, ptr %xd, i64 %b\n  store float %d, ptr %dp, align 4\n"
+    "  %sp = getelementptr float, ptr %xs, i64 %b\n  store float %sum, ptr %sp, align 4\n"
+    "  %hb = mul i64 %b, 2\n  %hp0 = getelementptr float, ptr %xh, i64 %hb\n  store float %h0, ptr %hp0, align 4\n"
+    "  %hp1 = getelementptr float, ptr %hp0, i64 1\n  store float %h1, ptr %hp1, align 4\n"
+    "  %b.next = add i64 %b, 1\n  %done = icmp eq i64 %b.next, %blocks\n"
+    "  br i1 %done, label %end, label %loop\nend:\n  ret void\n}\n")
 
 PARALLEL_ROWS = 8  # from this many rows, rows are rounded in parallel
 
 
 @numba.njit(fastmath=False, parallel=True, cache=True, boundscheck=False)
-def rounded8(x):
-    """x [rows, K] rounded to 8 bits per block of 32: xq (int8), xd = a / 127 and xs = xd * sum(xq) [rows, K / 32],
-    and xh [rows, K / 16], xd times each half's sum, where a is the block's largest magnitude and
-    xq = rint(x * 127 / a)."""
+def rounded8(x, round8):
+    """x [rows, K] (rows of contiguous floats) rounded to 8 bits per block of 32 by @round8 (`round8`: its address):
+    xq (int8), xd = a / 127 and xs = xd * sum(xq) [rows, K / 32], and xh [rows, K / 16], xd times each half's sum,
+    where a is the block's largest magnitude and xq = rint(x * 127 / a)."""
     rows, size = x.shape
     xq = np.empty((rows, size), dtype=np.int8)
     xd = np.empty((rows, size // 32), dtype=np.float32)
@@ -470,10 +497,12 @@ def rounded8(x):
     xh = np.empty((rows, size // 16), dtype=np.float32)
     if rows >= PARALLEL_ROWS:
         for r in prange(rows):
-            _round_row(x, r, xq, xd, xs, xh)
+            call(round8, x.ctypes.data + r * x.strides[0], size // 32, xq[r].ctypes.data, xd[r].ctypes.data,
+                 xs[r].ctypes.data, xh[r].ctypes.data)
     else:  # a parallel region costs more than a few rows
         for r in range(rows):
-            _round_row(x, r, xq, xd, xs, xh)
+            call(round8, x.ctypes.data + r * x.strides[0], size // 32, xq[r].ctypes.data, xd[r].ctypes.data,
+                 xs[r].ctypes.data, xh[r].ctypes.data)
     return xq, xd, xs, xh
 
 
@@ -481,7 +510,10 @@ def rounded8(x):
 def linear(x, weight):
     """x [rows, K] (float32, contiguous) times the repacked weight (q, s, tiles, N, groups a chunk): [rows, N]."""
     q, s, tile, outputs, chunk_groups = weight
-    xq, xd, xs, xh = rounded8(x)
+    most = len(tile) - 1  # the tiles for 1..most rows, then @round8
+    if x.strides[1] != 4:
+        x = np.ascontiguousarray(x)
+    xq, xd, xs, xh = rounded8(x, tile[most])
     rows, size = x.shape
     groups = q.shape[0]
     out = np.empty((rows, groups * COLUMNS), dtype=np.float32)
@@ -491,7 +523,7 @@ def linear(x, weight):
             xs.ctypes.data, xh.ctypes.data
         r = 0
         while r < rows:
-            take = min(len(tile), rows - r)
+            take = min(most, rows - r)
             for g in range(chunk * chunk_groups, min(groups, chunk * chunk_groups + chunk_groups)):
                 call(tile[take - 1], X, size, Q, S, g, O, groups * COLUMNS, r, XD, XS, XH)
             r += take
