@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,23 @@ from numba.extending import intrinsic
 from . import capabilities
 
 _ENGINES = []  # compiled code lives as long as its engine
+
+
+def _numba_without_cffi() -> None:
+    """numba's support for cffi functions makes a cffi C parser the first time it types anything (pycparser building
+    its tables: 0.16 s of every start where cffi is installed, as cryptography brings it). codespec hands numba no cffi
+    function, so that support is loaded here, before any kernel is typed, with cffi hidden: numba then has none.
+    cffi itself stays importable."""
+    if "cffi" in sys.modules or "numba.core.typing.cffi_utils" in sys.modules:
+        return
+    sys.modules["cffi"] = None  # (an import of it raises ImportError)
+    try:
+        import numba.core.typing.cffi_utils  # noqa: F401
+    finally:
+        del sys.modules["cffi"]
+
+
+_numba_without_cffi()
 
 
 def target_machine(cpu: str | None = None, features: str | None = None, triple: str | None = None):
