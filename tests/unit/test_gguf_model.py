@@ -2,6 +2,8 @@
 the lean forward multiplies the file's blocks, and the logits are those of the same file read through a float model."""
 
 import json
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -191,6 +193,18 @@ def test_a_second_load_maps_the_q8_tiles_copy_the_first_kept_and_gives_the_same_
     monkeypatch.setenv("CODESPEC_HOME", str(path))  # under a file: nothing can be written there
     again, reads = logits_and_reads()
     assert len(reads) > 1 and torch.equal(again, changed) and not list(tmp_path.glob("**/*.partial"))
+
+
+def test_loading_the_default_model_directly_imports_neither_transformers_models_nor_a_c_parser():
+    """What a second `codespec generate` spends before its first token: transformers' table of every model (0.45 s to
+    import) is for models it converts, and cffi's C parser (0.16 s, built by numba's cffi support the first time it
+    types anything) for cffi functions codespec never hands numba. cffi itself stays importable."""
+    code = ("import sys\nfrom codespec.engine import Engine\nEngine.load(show_progress=False)\n"
+            "print([name for name in ('transformers.models', 'pycparser.c_parser') if name in sys.modules])\n"
+            "import importlib.util\nif importlib.util.find_spec('cffi'):\n    import cffi\n    cffi.FFI()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
