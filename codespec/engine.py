@@ -17,6 +17,7 @@ from .adaptive import Adaptive, CostModel, DraftingCosts, cached_costs, pinned_c
 from .config import MODEL_DRAFTERS, SESSION_MEMORY, ModelConfig, SamplingParams, SpecConfig
 from .decode import decode_steps, drive, next_output, prefill_rows
 from .drafters import warm as warm_drafters, SharedDrafting, build_chain
+from .drafters.edit_align import EditAlign
 from .drafters.taught import TaughtDocuments
 from .errors import CodespecError, DeviceMemoryFull
 from .forward import auto_gguf, build, resolve
@@ -352,6 +353,8 @@ class Engine:
                                       or not any(name in MODEL_DRAFTERS for name in spec.spec))
         if adaptive and session.adaptive is None:
             session.adaptive = Adaptive(self.costs, self.drafting)
+        if adaptive and reference:  # the caller vouches for it: its drafts start long
+            session.adaptive.expect(EditAlign.name)
         steps = decode_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,
                              self.context_length, self.eos_token_ids | stop_ids, stats,
                              session.adaptive if adaptive else None, prefill_chunk, constraint)

@@ -245,6 +245,28 @@ def test_engine_measures_costs_once_and_adaptive_output_matches_plain(engine):
     assert engine.costs is engine.costs
 
 
+def test_a_reference_the_caller_vouches_for_is_drafted_in_full_from_the_first_step(engine, monkeypatch):
+    """A generation with a reference (a prediction, a rewrite's selection) starts edit-align's evidence at alpha 0.98:
+    an output that follows it takes fewer forwards than from the default prior, and the text is plain's."""
+    prompt = list(range(10, 40))
+    params = SamplingParams(max_tokens=40)
+    plain = engine.generate(prompt, params, spec=SpecConfig(spec=("none",)))
+    spec = SpecConfig(spec=("edit-align",))
+    vouched = engine.generate(prompt, params, spec=spec, reference=plain.tokens, session_id="vouched")
+    assert engine.session("vouched", spec).adaptive.of("edit-align").alpha > 0.98
+    monkeypatch.setattr(Adaptive, "expect", lambda self, drafter: None)
+    unvouched = engine.generate(prompt, params, spec=spec, reference=plain.tokens, session_id="unvouched")
+    assert vouched.tokens == unvouched.tokens == plain.tokens
+    assert vouched.stats.target_forwards < unvouched.stats.target_forwards
+    assert Adaptive(fixed_costs(0.1)).of("edit-align").alpha == 0.5
+    evidence = Acceptance(vouched=Adaptive.EXPECTED_HITS)
+    assert evidence.alpha == 0.5  # (the first draft is verified as any drafter's: a wrong reference costs nothing)
+    evidence.observe(2, False)
+    assert evidence.alpha > 0.98
+    evidence.observe(0, True)  # a miss: what was vouched for goes
+    assert evidence.alpha == Acceptance(hits=0.9 * 2, misses=1).alpha
+
+
 def test_adaptive_flag_and_config_key(tmp_path):
     from argparse import Namespace
 
