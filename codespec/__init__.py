@@ -32,3 +32,8 @@ def _numba_cache_dir() -> str:
 
 
 _os.environ.setdefault("NUMBA_CACHE_DIR", _numba_cache_dir())
+if "numba" in __import__("sys").modules:  # imported first (a script, a notebook): numba read its settings without
+    # that folder, and a stale kernel from its default place next to the sources crashed the first forward
+    from numba.core import config as _numba_config
+
+    _numba_config.reload_config()

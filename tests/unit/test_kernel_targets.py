@@ -217,6 +217,19 @@ def test_numbas_cache_folder_changes_with_any_module_that_uses_numba(monkeypatch
     assert codespec._numba_cache_dir().startswith(str(tmp_path / "numba"))
 
 
+def test_numba_imported_before_codespec_still_caches_in_codespecs_folder():
+    """A script that imports numba first: numba read its settings before codespec named the folder, and the stale
+    kernels at numba's default place (beside the sources) crashed the first forward after an update."""
+    import subprocess
+    import sys
+
+    code = ("import numba, os\nimport codespec\nfrom numba.core import config\n"
+            "print(config.CACHE_DIR == os.environ['NUMBA_CACHE_DIR'] == codespec._numba_cache_dir())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "NUMBA_CACHE_DIR"})
+    assert run.stdout.strip() == "True", run.stderr[-2000:]
+
+
 ARM64 = {"apple-m1": "arm64-apple-macosx14.0.0", "neoverse-n1": "aarch64-unknown-linux-gnu"}  # a Mac, a Linux server
 ARM64_FEATURES = {"neon", "dotprod", "i8mm", "fp-armv8", "openmp"}  # an Apple M2's or a Graviton 3's, as LLVM names
 
