@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 import os as _os
+import sys as _sys
 
 if _os.environ.get("CODESPEC_CPU", "").lower() == "avx2":  # numba's own loops for the same CPU as the IR tiles
     _os.environ.setdefault("NUMBA_CPU_NAME", "haswell")
@@ -32,7 +33,7 @@ def _numba_cache_dir() -> str:
 
 
 _os.environ.setdefault("NUMBA_CACHE_DIR", _numba_cache_dir())
-if "numba" in __import__("sys").modules:  # imported first (a script, a notebook): numba read its settings without
+if "numba" in _sys.modules:  # imported first (a script, a notebook): numba read its settings without
     # that folder, and a stale kernel from its default place next to the sources crashed the first forward
     from numba.core import config as _numba_config
 

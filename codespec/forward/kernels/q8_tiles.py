@@ -497,13 +497,18 @@ def rounded8(x, round8):
     xh = np.empty((rows, size // 16), dtype=np.float32)
     if rows >= PARALLEL_ROWS:
         for r in prange(rows):
-            call(round8, x.ctypes.data + r * x.strides[0], size // 32, xq[r].ctypes.data, xd[r].ctypes.data,
-                 xs[r].ctypes.data, xh[r].ctypes.data)
+            _round_row(x, r, round8, xq, xd, xs, xh)
     else:  # a parallel region costs more than a few rows
         for r in range(rows):
-            call(round8, x.ctypes.data + r * x.strides[0], size // 32, xq[r].ctypes.data, xd[r].ctypes.data,
-                 xs[r].ctypes.data, xh[r].ctypes.data)
+            _round_row(x, r, round8, xq, xd, xs, xh)
     return xq, xd, xs, xh
+
+
+@numba.njit(inline="always", fastmath=False, cache=True, boundscheck=False)
+def _round_row(x, r, round8, xq, xd, xs, xh):
+    """Row r of x into row r of xq, xd, xs and xh by @round8."""
+    call(round8, x.ctypes.data + r * x.strides[0], x.shape[1] // 32, xq[r].ctypes.data, xd[r].ctypes.data,
+         xs[r].ctypes.data, xh[r].ctypes.data)
 
 
 @numba.njit(fastmath=False, parallel=True, cache=True, boundscheck=False)
