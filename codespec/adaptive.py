@@ -202,6 +202,10 @@ def forward_code() -> str:
 
 def cached_costs(path, model, vocab_size: int) -> CostModel:
     """measure_costs, remembered on disk for a named model on this machine, device, precision and thread count."""
+    if getattr(path, "buckets", None):  # the graph-safe forward: a tick costs its bucket's forward (a few ms)
+        from .bucket_costs import measure_bucket_costs
+
+        return measure_bucket_costs(path, vocab_size)
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return measure_costs(path, vocab_size)

@@ -81,7 +81,9 @@ def verify_lengths(costs: CostModel, proposals: list[Propose], rows: list[Rows])
     keys, row_keys = attended(rows)
     keys += sum(p.keys for p in proposals)
     row_keys += sum(p.pending * p.keys for p in proposals)
-    return allocate(costs, [(p.alpha, p.available, p.keys) for p in proposals], base, generating,
+    width = getattr(costs, "width", None)  # graph-safe forwards: a session's rows are a width (bucket_costs.py)
+    available = [p.available if width is None else max(min(p.available, width - p.pending), 0) for p in proposals]
+    return allocate(costs, [(p.alpha, offered, p.keys) for p, offered in zip(proposals, available)], base, generating,
                     sequences=len(rows) + len(proposals), keys=keys, row_keys=row_keys,
                     host=sum(p.adaptive.shared.host for p in proposals))
 

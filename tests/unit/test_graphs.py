@@ -93,12 +93,12 @@ def test_a_sessions_cache_goes_to_the_next_session_with_its_graph():
     _, path = graph_path()
     cache = path.new_cache()
     path(cache, [1, 2, 3], 1)
-    store = cache.store
+    slot = cache.slot
     del cache
     gc.collect()
     again = path.new_cache()
-    assert again.store is store and again.length == 0
-    assert path.new_cache().store is not store
+    assert again.slot == slot and again.length == 0
+    assert path.new_cache().slot != slot
 
 
 def test_a_prompt_past_the_context_is_refused_and_the_cache_stays_usable():
@@ -125,21 +125,18 @@ def test_seeded_sampling_repeats_on_the_graph_safe_forward():
 
 
 def limit_caches(monkeypatch, engine, room: int):
-    """From now on the device holds `room` more caches: another one fails as a GPU's allocation would."""
+    """From now on the device holds `room` more caches: the pool's growing fails as a GPU's allocation would."""
     from codespec.forward import graphs
 
     engine.costs  # measured first, on a cache of its own
-    engine.path.free.clear()
-    made = []
-    original = graphs.Store.__init__
+    gc.collect()
+    pool = engine.path.pool
+    del pool.free[: max(len(pool.free) - room, 0)]
 
-    def store(self, *args):
-        if len(made) >= room:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 MiB (simulated)")
-        made.append(self)
-        original(self, *args)
+    def allocate(self, shape):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 MiB (simulated)")
 
-    monkeypatch.setattr(graphs.Store, "__init__", store)
+    monkeypatch.setattr(graphs.Pool, "_allocate", allocate)
 
 
 def test_a_full_device_makes_room_by_evicting_the_idlest_session(monkeypatch):
@@ -153,7 +150,7 @@ def test_a_full_device_makes_room_by_evicting_the_idlest_session(monkeypatch):
     assert list(engine.sessions) == ["b", "c"] and again.tokens == first.tokens
     engine.sessions.clear()
     gc.collect()
-    assert len(engine.path.free) == 2
+    assert len(engine.path.pool.free) == 2
 
 
 def test_a_full_device_with_nothing_to_evict_is_a_503_and_the_server_stays_up(monkeypatch):
@@ -210,3 +207,111 @@ def test_ctx_size_sets_the_context_and_the_size_of_every_cache():
         engine.generate(list(range(1, 200)), SamplingParams(max_tokens=4))
     result = engine.generate(list(range(1, 120)), SamplingParams(max_tokens=40), spec=NONE)
     assert len(result.tokens) == 128 - 119 and result.finish_reason == "length"
+
+
+def prefilled(path, prompts):
+    caches = [path.new_cache() for _ in prompts]
+    for cache, prompt in zip(caches, prompts):
+        path(cache, prompt, 1)
+    return caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sessions_stacked_in_one_forward_get_the_bits_each_gets_alone(monkeypatch, dtype):
+    """One forward a tick for every session (a bucket of them, each in its own slot), and each session's logits
+    the same bits as in a forward of its own: what keeps a batch of sessions lossless."""
+    _, path = graph_path(dtype=dtype)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 384, int(rng.integers(3, 90))).tolist() for _ in range(11)]
+    alone, stacked = prefilled(path, prompts), prefilled(path, prompts)
+    forwards = []
+    step = path.step
+    monkeypatch.setattr(path, "step", lambda *args: forwards.append(args[1]) or step(*args))
+    for _ in range(3):  # three ticks: every session verifies a draft of its own length
+        rows = [rng.integers(1, 384, int(rng.integers(1, WIDTH + 1))).tolist() for _ in prompts]
+        forwards.clear()
+        together = path.batch([Rows(cache, ids, len(ids), generating=True) for cache, ids in zip(stacked, rows)])
+        assert forwards == [16]  # 11 sessions: one forward of the 16-session bucket
+        for cache, ids, got in zip(alone, rows, together):
+            one = Rows(cache, ids, len(ids), generating=True)
+            assert torch.equal(path.batch([one])[0], got)
+    assert [c.length for c in stacked] == [c.length for c in alone]
+
+
+def test_more_sessions_than_the_largest_bucket_run_in_more_forwards_with_the_same_bits(monkeypatch):
+    _, path = graph_path(dtype=torch.float32)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(1, 384, 20).tolist() for _ in range(19)]
+    alone, stacked = prefilled(path, prompts), prefilled(path, prompts)
+    forwards = []
+    step = path.step
+    monkeypatch.setattr(path, "step", lambda *args: forwards.append(args[1]) or step(*args))
+    rows = [Rows(cache, [7, 8, 9], 3) for cache in stacked]
+    together = path.batch(rows)
+    assert forwards == [16, 4]
+    for cache, got, r in zip(alone, together, rows):
+        assert torch.equal(path(cache, [7, 8, 9], 3), got) and r.targets == got.argmax(-1).tolist()
+
+
+def test_the_pool_doubles_when_sessions_outnumber_its_slots_and_keeps_their_caches():
+    from codespec.forward.graphs import FIRST_SLOTS
+
+    _, path = graph_path()
+    first = path.new_cache()
+    path(first, list(range(1, 30)), 1)
+    before = path(first, [30, 31], 2)
+    first.crop(29)
+    others = [path.new_cache() for _ in range(FIRST_SLOTS + 1)]  # past the first slots: the pool doubles
+    assert path.pool.slots == 2 * FIRST_SLOTS + 1 and len({c.slot for c in [first, *others]}) == FIRST_SLOTS + 2
+    assert torch.equal(path(first, [30, 31], 2), before)
+
+
+def test_a_tick_of_the_graph_safe_forward_verifies_drafts_up_to_the_width_and_costs_its_bucket():
+    """The adaptive budget per bucket: any draft up to the width is free (its rows run anyway), so every offered
+    token is verified, none past the width."""
+    from codespec.adaptive import Acceptance, Adaptive
+    from codespec.bucket_costs import BucketCosts, measure_bucket_costs
+    from codespec.decode import Propose, verify_lengths
+
+    _, path = graph_path(dtype=torch.float32)
+    costs = measure_bucket_costs(path, 384, repeats=2)
+    assert isinstance(costs, BucketCosts) and costs.sizes == path.buckets and all(s > 0 for s in costs.seconds)
+    assert costs.cost(1, 3) == costs.cost(4 * WIDTH, 4) == costs.learnt[2]  # 3 or 4 sessions: the 4-session bucket
+    assert costs.cost(4 * WIDTH + 1, 4) == 2 * costs.learnt[2]  # rows past the width: another forward
+    frozen = BucketCosts(path.buckets, (0.010, 0.011, 0.012, 0.014, 0.020), WIDTH, pinned=True)
+
+    def proposal(offered: int, hits: float, misses: float) -> Propose:
+        adaptive = Adaptive(frozen)
+        adaptive.acceptance["prompt-lookup"] = Acceptance(hits=hits, misses=misses)
+        return Propose(adaptive, "prompt-lookup", offered, 1, 100)
+
+    proposals = [proposal(30, 20.0, 1.0), proposal(5, 1.0, 6.0), proposal(0, 3.0, 3.0)]
+    assert proposals[1].alpha < 0.3
+    assert verify_lengths(frozen, proposals, []) == [WIDTH - 1, 5, 0]
+
+
+def test_a_scheduler_tick_of_several_sessions_is_one_forward_and_each_gets_its_own_text(monkeypatch):
+    import threading
+
+    from codespec.scheduler import Scheduler
+
+    model, _ = graph_path(dtype=torch.float32)
+    engine = Engine(model, tiny_tokenizer(), LOOKUP, eos_token_ids=frozenset({EOS}), forward="graphs")
+    rng = np.random.default_rng(8)
+    prompts = [random_prompt(rng, 30 + 7 * i, repetitive=True) for i in range(6)]
+    params = SamplingParams(max_tokens=32)
+    expected = [engine.generate(p, params).tokens for p in prompts]
+    sizes = []
+    step = engine.path.step
+    monkeypatch.setattr(engine.path, "step", lambda *args: sizes.append(args[1]) or step(*args))
+    scheduler = Scheduler(engine)
+    try:
+        gate, inside = threading.Event(), threading.Event()
+        threading.Thread(target=scheduler.call, args=(lambda _: inside.set() or gate.wait(10),), daemon=True).start()
+        inside.wait(10)  # the worker waits inside a call: every job starts in the same tick
+        jobs = [scheduler.submit(p, params) for p in prompts]
+        gate.set()
+        assert [job.wait().tokens for job in jobs] == expected
+    finally:
+        scheduler.close()
+    assert 8 in sizes and len(sizes) <= scheduler.ticks  # six sessions in the 8-session bucket; a forward a tick
