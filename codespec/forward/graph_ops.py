@@ -82,13 +82,16 @@ class TorchOps:
         return attended.permute(0, 3, 1, 2, 4).reshape(rows, heads * dim)
 
 
-def choose_ops(device: torch.device, choice: str | None = None):
-    """The operations for a device: "torch", "triton", or None for the best there (Triton's on CUDA where it
-    imports; $CODESPEC_GRAPH_OPS overrides)."""
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what TritonOps multiplies (float64: PyTorch's)
+
+
+def choose_ops(device: torch.device, choice: str | None = None, dtype: torch.dtype = torch.float32):
+    """The operations for a model's device and dtype: "torch", "triton", or None for the best there (Triton's on
+    CUDA where it imports, for TRITON_DTYPES; $CODESPEC_GRAPH_OPS overrides)."""
     import os
 
     choice = choice or os.environ.get("CODESPEC_GRAPH_OPS") or None
-    if choice == "torch" or (choice is None and device.type != "cuda"):
+    if choice == "torch" or (choice is None and (device.type != "cuda" or dtype not in TRITON_DTYPES)):
         return TorchOps()
     if choice not in (None, "triton"):
         from ..errors import CodespecError

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CodespecError, DeviceMemoryFull
-from .graph_ops import BLOCK, choose_ops
+from .graph_ops import BLOCK, TorchOps, choose_ops
 from .rows import Rows
 
 WIDTH = 16  # rows of every session in a generating forward: pending tokens plus at most WIDTH - 1 draft tokens
@@ -176,7 +176,10 @@ class GraphLlama:
         self.device, self.dtype = lean.device, lean.dtype
         self.context, self.width = context, width
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.ops = choose_ops(self.device, ops)
+        self.ops = choose_ops(self.device, ops, self.dtype)
+        # long prompt chunks (their own length, no graph, compute-bound) in PyTorch's: Triton's attention holds a
+        # session's rows in one program and would compile again for every chunk length
+        self.prompt_ops = TorchOps()
         # torch.compile of the generating forward (fixed shapes: compiled once), meant to fuse a layer's small
         # kernels; measured on an H100 it made the graph slower (float32 4.3 -> 12.3 ms, bfloat16 3.6 -> 7.1 ms:
         # more kernels, not fewer), so it is off unless asked for (docs/benchmarks/cuda/forward-*.json)
@@ -352,7 +355,8 @@ class GraphLlama:
         replays at any position and slot). Writes their keys and values into the pool; returns the logits of the
         last `keep` rows (all by default) [keep, vocab] (float32, or float64) and their argmax. Only tensor
         operations of fixed shapes."""
-        lean, ops, pool = self.lean, self.ops, self.pool
+        lean, pool = self.lean, self.pool
+        ops = self.ops if width <= self.width else self.prompt_ops
         rows = sessions * width
         starts, slots = inputs[rows : rows + sessions], inputs[rows + sessions : rows + 2 * sessions]
         positions = (starts[:, None] + torch.arange(width, device=self.device)).view(rows)  # [rows]

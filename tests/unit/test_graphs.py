@@ -315,3 +315,14 @@ def test_a_scheduler_tick_of_several_sessions_is_one_forward_and_each_gets_its_o
     finally:
         scheduler.close()
     assert 8 in sizes and len(sizes) <= scheduler.ticks  # six sessions in the 8-session bucket; a forward a tick
+
+
+def test_the_graph_ops_are_pytorchs_on_a_cpu_and_a_named_choice_is_checked(monkeypatch):
+    from codespec.forward.graph_ops import TorchOps, choose_ops
+
+    assert isinstance(choose_ops(torch.device("cpu")), TorchOps)
+    assert isinstance(choose_ops(torch.device("cuda"), dtype=torch.float64), TorchOps)  # Triton's: 32 and 16 bits
+    monkeypatch.setenv("CODESPEC_GRAPH_OPS", "torch")
+    assert isinstance(choose_ops(torch.device("cuda")), TorchOps)
+    with pytest.raises(CodespecError, match="torch or triton"):
+        choose_ops(torch.device("cuda"), "cutlass")
