@@ -87,23 +87,30 @@ class Pool:
             self._grow(FIRST_SLOTS + 1)
 
     def take(self) -> int:
-        """A free slot; the pool doubles where there is none (DeviceMemoryFull where the device cannot)."""
+        """A free slot; the pool doubles where there is none, or grows by one slot where the device has no memory
+        for twice as many (DeviceMemoryFull where it has none for that either)."""
         if not self.free:
-            self._grow(FIRST_SLOTS + 1 if self.keys is None else 2 * self.slots - 1)
+            self._grow(FIRST_SLOTS + 1) if self.keys is None else self._grow(2 * self.slots - 1, self.slots + 1)
         return self.free.pop()
 
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
 
-    def _grow(self, slots: int) -> None:
+    def _grow(self, *sizes: int) -> None:
+        """The pool at the first of `sizes` slots the device has memory for (its slots' keys and values copied)."""
         layers, kv_heads, length, dim = self.shape
-        try:
-            keys, values = (self._allocate((layers, slots, kv_heads, length, dim)) for _ in range(2))
-        except torch.OutOfMemoryError:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # what the failed allocation left
+        for slots in sizes:
+            try:
+                keys = self._allocate((layers, slots, kv_heads, length, dim))
+                values = self._allocate((layers, slots, kv_heads, length, dim))
+                break
+            except torch.OutOfMemoryError:
+                keys = values = None
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # what the failed allocation left
+        else:
             raise DeviceMemoryFull(f"no device memory for another session's cache ({self.slot_bytes() >> 20} "
-                                   "MB): try again when other requests have finished") from None
+                                   "MB): try again when other requests have finished")
         held = self.slots
         if held:
             keys[:, :held], values[:, :held] = self.keys, self.values

@@ -326,3 +326,23 @@ def test_the_graph_ops_are_pytorchs_on_a_cpu_and_a_named_choice_is_checked(monke
     assert isinstance(choose_ops(torch.device("cuda")), TorchOps)
     with pytest.raises(CodespecError, match="torch or triton"):
         choose_ops(torch.device("cuda"), "cutlass")
+
+
+def test_a_device_without_room_for_twice_the_pool_grows_it_by_one_slot(monkeypatch):
+    from codespec.forward import graphs
+
+    _, path = graph_path()
+    caches = [path.new_cache() for _ in range(graphs.FIRST_SLOTS)]
+    allocate = graphs.Pool._allocate
+
+    def at_most_six_slots(self, shape):
+        if shape[1] > 6:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return allocate(self, shape)
+
+    monkeypatch.setattr(graphs.Pool, "_allocate", at_most_six_slots)
+    caches.append(path.new_cache())
+    assert path.pool.slots == 6 and not path.pool.free
+    with pytest.raises(graphs.DeviceMemoryFull):
+        path.new_cache()
+    assert path.pool.slots == 6 and [c.slot for c in caches] == [1, 2, 3, 4, 5]
