@@ -10,9 +10,17 @@ file (block_tiles.read_gguf) and looks embeddings up in the file's own blocks. T
 (transformers builds both from the GGUF's `tokenizer.ggml.*` metadata) are saved beside the models the first time,
 so a second load reads neither the vocabulary arrays nor any weight through transformers.
 
-Measured on the default model (2-core AVX2 CPU): see docs/forward.md, "A GGUF read directly". Where the settings need float weights
-(--weights checkpoint, --invariant off, bfloat16 prompts, a GPU, another dtype) or the file is another architecture,
-models.load converts the GGUF into a checkpoint as before."""
+Measured on the default model (2-core AVX2 CPU): see docs/forward.md, "A GGUF read directly".
+
+Where the lean or graph-safe forward multiplies float weights (a GPU or any device but the CPU, bfloat16 or any dtype
+but float32, --forward graphs: models.float_gguf), `load_float` builds the same DirectModel with real weights: each
+tensor dequantized (gguf.quants.dequantize, as transformers' GGUF loader does) CHUNK_VALUES values at a time,
+Llama's q and k rows put back in the model's order (llama.cpp permutes them for its rope), cast to the dtype and
+copied to the device, so that a load holds the model in its dtype on its device plus one chunk of float32 values,
+never the model in float32 (transformers' GGUF loader: every tensor in float32 in host memory, then a transformers
+model). Where the settings need transformers' own model (--forward transformers, from_pretrained's `extra`), or a
+CPU in float32 takes the converted checkpoint's bfloat16 values (--weights checkpoint, --invariant off, bfloat16
+prompts), or the file is another architecture, models.load converts the GGUF into a checkpoint as before."""
 
 from __future__ import annotations
 
@@ -49,6 +57,43 @@ def direct_problem(path: Path) -> Optional[str]:
         if name not in names:
             return f"no tensor {name}"
     return block_tiles.unreadable(path)
+
+
+# A layer's parameters read as float weights (load_float) beside NAMES' small ones: llama.cpp's name -> transformers'
+PROJECTIONS = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+               "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+               "attn_output.bias": "self_attn.o_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
+               "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+FLOAT_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}  # (and per layer, NAMES and PROJECTIONS under blk.N.)
+CHUNK_VALUES = 1 << 20  # values of a tensor dequantized at a time (load_float): 4 MB of float32
+
+
+def float_problem(path: Path) -> Optional[str]:
+    """Why `path` cannot be loaded with float weights from its own tensors (load_float: its architecture, a tensor
+    type gguf cannot dequantize, a file gguf cannot parse), or None."""
+    try:
+        kind = block_tiles.architecture(path)
+        tensors = block_tiles._reader(path).tensors
+    except Exception as exc:  # gguf raises ValueError and others for a file it cannot parse
+        return f"cannot read {path}: {exc}"
+    if kind not in ARCHITECTURES:
+        return f"architecture {kind!r} (read directly: {', '.join(ARCHITECTURES)})"
+    names = {t.name for t in tensors}
+    for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+        if name not in names:
+            return f"no tensor {name}"
+    for tensor in tensors:
+        if not dequantizable(tensor.tensor_type):
+            return f"{tensor.name} is {tensor.tensor_type.name}"
+    return None
+
+
+def dequantizable(kind) -> bool:
+    """Whether gguf.quants.dequantize reads tensors of GGUF type `kind` (a GGMLQuantizationType)."""
+    from gguf import quants
+
+    return kind.name in ("F32", "F16") or kind in getattr(quants, "_type_traits", {})
 
 
 def placeholder(shape) -> torch.nn.Parameter:
@@ -141,11 +186,15 @@ class Rotary(torch.nn.Module):
 class DirectModel(torch.nn.Module):
     """A Llama, Qwen2 or Qwen3 model read directly from its GGUF: transformers' tree of parts
     (model.layers[i].self_attn.q_proj.weight, ...; what the plan and the lean forward read) with the projections
-    placeholders, without transformers' model classes (importing them took 1.7 s of every load)."""
+    placeholders, without transformers' model classes (importing them took 1.7 s of every load). direct False
+    (load_float): the tree only, its weights to be filled in with the file's values; gguf_direct is then None (the
+    forward multiplies the weights, not the blocks) and gguf_float the file."""
 
-    def __init__(self, config, path: Path):
+    def __init__(self, config, path: Path, direct: bool = True):
         super().__init__()
-        self.config, self.gguf_direct = config, path  # (the file the lean forward reads: plan.resolve takes it)
+        # (the file the lean forward reads: plan.resolve takes it)
+        self.config, self.gguf_direct = config, path if direct else None
+        self.gguf_float = None if direct else path
         hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         head_dim = head_size(config)
         # q/k/v biases: Qwen2's always, the others' where the config says (and then on o too: the plan refuses that)
@@ -174,13 +223,45 @@ class DirectModel(torch.nn.Module):
         self.lm_head = Held(weight=self.model.embed_tokens.weight if getattr(config, "tie_word_embeddings", False)
                             else placeholder((config.vocab_size, hidden)))
 
+    def transformers(self):
+        """transformers' model of this config holding this model's float weights (the same tensors: no copy), built
+        on first use, for transformers' own forward: `forward` and `generate` below (Engine.transformers_model, the
+        bench's transformers rows) on a model loaded with float weights (load_float). A model read directly has no
+        float weights: `materialized` makes a float32 copy of the file's values for it."""
+        if self.gguf_direct is not None:
+            raise CodespecError(f"{self.gguf_direct.name} is read directly (its blocks, no float weights): "
+                                "gguf_model.materialized gives transformers a float32 copy")
+        shared = self.__dict__.get("_transformers")
+        if shared is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.for_model(**self.config.to_dict() | {"model_type": self.config.model_type})
+            with torch.device("meta"):  # (no weights of its own: this model's are assigned below)
+                shared = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+            shared.load_state_dict(dict(self.named_parameters(remove_duplicate=False)), strict=True, assign=True)
+            rotary = type(shared.model.rotary_emb)  # (its frequencies are buffers no state dict holds: computed)
+            shared.model.rotary_emb = rotary(config=shared.config).to(self.device)
+            shared.eval()
+            self.__dict__["_transformers"] = shared  # (not a submodule: its parameters are this model's)
+        return shared
+
+    def forward(self, *args, **kwargs):
+        """transformers' forward (its model's outputs: .logits, ...) on these weights."""
+        return self.transformers()(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """transformers' generate on these weights."""
+        return self.transformers().generate(*args, **kwargs)
+
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        """The weights' device (the placeholders': the CPU)."""
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.float32
+        """The weights' dtype (the placeholders': float32)."""
+        return self.model.embed_tokens.weight.dtype
 
 
 def load(path: Path, folder: Path):
@@ -205,6 +286,96 @@ def load(path: Path, folder: Path):
     model.eval()
     torch.set_grad_enabled(False)
     return model, tokenizer
+
+
+def load_float(path: Path, folder: Path, dtype: torch.dtype, device) -> Optional[tuple]:
+    """(model, tokenizer) for the GGUF at `path` with float weights of `dtype` on `device`: a DirectModel (direct
+    False) whose every parameter is the file's tensor (as transformers' GGUF loader gives it: gguf.quants.dequantize,
+    Llama's q and k rows in the model's order) cast to `dtype`, read one tensor at a time, CHUNK_VALUES values at a
+    time, each chunk copied to the device as soon as it is cast: the load holds the model in `dtype` on `device` and
+    a chunk in float32, never the model in float32. The output layer is the embedding where the file has no
+    output.weight. None where the lean forward does not run the model the metadata describes
+    (plan.lean_unsupported: such a model runs transformers' own forward, on the converted checkpoint)."""
+    from .plan import lean_unsupported
+
+    config, tokenizer = metadata(path, folder)
+    model = DirectModel(config, path, direct=False)
+    if lean_unsupported(model) is not None:
+        return None
+    reader = block_tiles._reader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    # llama.cpp's converter puts each Llama head's rotated pairs side by side; transformers' GGUF loader
+    # (LlamaTensorProcessor._reverse_permute_weights) puts them back, as here
+    permuted = block_tiles.architecture(path) == "llama"
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    sources = dict(FLOAT_NAMES) | {
+        f"model.layers.{i}.{name}": f"blk.{i}.{gguf_name}" for i in range(config.num_hidden_layers)
+        for gguf_name, name in (NAMES | PROJECTIONS).items()}
+    modules = dict(model.named_modules())
+    tied = "output.weight" not in tensors  # (transformers' GGUF config says tie_word_embeddings then)
+    for name, parameter in list(model.named_parameters(remove_duplicate=False)):
+        if name == "lm_head.weight" and tied:
+            continue  # the embedding's, below
+        source = sources.get(name)
+        if source is None or source not in tensors:
+            raise CodespecError(f"{path.name} has no tensor {source or name} (for {name})")
+        part = source.split(".")[-2]
+        order = None
+        if permuted and part in heads:
+            order = heads_order(parameter.shape[0], heads[part], f"{path.name}'s {source}")
+        owner, leaf = name.rsplit(".", 1)
+        values = dequantized(tensors[source], tuple(parameter.shape), dtype, device, order, path.name)
+        setattr(modules[owner], leaf, torch.nn.Parameter(values, requires_grad=False))
+        block_tiles.release(reader, tensors[source])  # (its pages of the mapped file: read, not needed again)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.to(device)  # (inv_freq stays float32, as transformers keeps it)
+    model.eval()
+    torch.set_grad_enabled(False)
+    return model, tokenizer
+
+
+def heads_order(rows: int, heads: int, what: str) -> torch.Tensor:
+    """The file's row each model row of a Llama q or k tensor (bias) comes from: llama.cpp stores head h's rows
+    (j, j + dim / 2) as rows 2j and 2j + 1; transformers' _reverse_permute_weights undoes that."""
+    if rows % (2 * heads):
+        raise CodespecError(f"{what} has {rows} rows, not a whole number of {heads} heads of rotated pairs")
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def dequantized(tensor, shape: tuple, dtype: torch.dtype, device, order: Optional[torch.Tensor] = None,
+                file: str = "the file") -> torch.Tensor:
+    """The values of GGUF `tensor` (gguf's ReaderTensor) as a tensor of `shape`, `dtype` on `device`: dequantized
+    by gguf.quants.dequantize (float32, what transformers' GGUF loader takes) CHUNK_VALUES values at a time, each
+    chunk cast on the host and copied to the device. order: model row i is the file's row order[i] (None: the
+    file's order)."""
+    from gguf import quants
+
+    data = tensor.data  # (gguf's view of the mapped file: [rows, bytes of a row] for blocks, [rows, values] else)
+    rows = shape[0]
+    width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    if int(tensor.n_elements) != rows * width or data.shape[0] != rows:
+        raise CodespecError(f"{file}'s metadata does not match its tensors: {tensor.name} has "
+                            f"{int(tensor.n_elements)} values, the model its metadata describes {rows * width}")
+    out = torch.empty(shape, dtype=dtype, device=device)
+    flat = out.view(rows, width)
+    targets = None if order is None else torch.argsort(order).to(out.device)  # the file's row r: model row targets[r]
+    step = max(1, CHUNK_VALUES // width)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        values = np.asarray(quants.dequantize(data[start:stop], tensor.tensor_type), dtype=np.float32)
+        if values.size != (stop - start) * width:
+            raise CodespecError(f"{file}'s metadata does not match its tensors: {tensor.name}'s rows have "
+                                f"{values.size // (stop - start)} values, the model's {width}")
+        if not values.flags.writeable:  # (F32: a view of the read-only mapping)
+            values = values.copy()
+        chunk = torch.from_numpy(values.reshape(stop - start, width)).to(dtype)
+        if targets is None:
+            flat[start:stop].copy_(chunk)
+        else:
+            flat.index_copy_(0, targets[start:stop], chunk.to(out.device))
+        del values, chunk
+    return out
 
 
 def materialized(model):

@@ -375,9 +375,70 @@ def direct_gguf(config: ModelConfig):
     return gguf if layers.ready() and direct_problem(gguf) is None else None
 
 
+def float_gguf(config: ModelConfig, device: str):
+    """The GGUF `config` loads with float weights read from its own tensors (gguf_model.load_float: no float32 copy
+    of the model, no conversion), or None: the default model or a .gguf file of an architecture the lean forward
+    runs, where the lean or graph-safe forward multiplies float weights: on a GPU (or any device but the CPU), in
+    another dtype than float32, or with --forward graphs. A CPU in float32 with the lean forward keeps its paths (read
+    directly, or the converted checkpoint's bfloat16 values for --weights checkpoint, --invariant off, bfloat16
+    prompts); --forward transformers, and `extra` (from_pretrained's), need transformers' own model (the
+    conversion)."""
+    kind, _ = model_source(config.model)
+    if kind != "cache" or config.extra or config.forward == "transformers":
+        return None
+    if device == "cpu" and config.dtype in ("auto", "float32", "fp32") and config.forward != "graphs":
+        return None
+    from .gguf_model import float_problem
+
+    gguf = locate_default_gguf() if config.model in DEFAULT_ALIASES else Path(config.model).expanduser()
+    return gguf if float_problem(gguf) is None else None
+
+
+def gguf_parameters(gguf: Path) -> int:
+    """The weights of `gguf` (every tensor's), from its header."""
+    import numpy as np
+
+    from .kernels.block_tiles import _reader
+
+    return sum(int(np.prod(tensor.shape, dtype=np.int64)) for tensor in _reader(gguf).tensors)
+
+
+def check_float_memory(gguf: Path, dtype, device: str) -> None:
+    """A one-line error, before a weight is read, where the GGUF's weights in `dtype` do not fit: in the memory
+    available (on a CPU: the model, and a chunk of float32 values with gguf's temporaries), or in the GPU's free
+    memory."""
+    import torch
+
+    from .gguf_model import CHUNK_VALUES
+
+    weights = gguf_parameters(gguf) * dtype.itemsize
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if weights > free:
+            raise CodespecError(f"loading {gguf.name} in {str(dtype).removeprefix('torch.')} takes about "
+                                f"{_size(weights)} of GPU memory and {_size(free)} is free: use a smaller model, "
+                                "or another GPU")
+        weights = 0
+    needed, available = weights + CHUNK_VALUES * 4 * 8, available_memory()  # (K-quants: temporaries of ~8x a chunk)
+    if available is not None and needed > available:
+        raise CodespecError(f"loading {gguf.name} takes about {_size(needed)} of memory and {_size(available)} "
+                            "is available: free some memory, or use a smaller model")
+
+
+def exact_cuda_matmuls(device: str) -> None:
+    """No TF32 on a GPU: it would round float32 products to 10 bits of mantissa (as load sets for a checkpoint)."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+
+
 def load(config: ModelConfig, show_progress: bool = True):
     """Return (model, tokenizer) ready for inference: a GGUF read directly where the settings allow (direct_gguf),
-    else pulling (converting) the model on first use."""
+    or with float weights dequantized from its own tensors (float_gguf), else pulling (converting) the model on
+    first use."""
     device = resolve_device(config.device)
     kind, target = model_source(config.model)
     if (gguf := direct_gguf(config)) is not None:
@@ -385,6 +446,15 @@ def load(config: ModelConfig, show_progress: bool = True):
 
         check_direct_memory(gguf)
         return gguf_model.load(gguf, target.with_name(target.name + "-direct"))
+    if (gguf := float_gguf(config, device)) is not None:
+        from . import gguf_model
+
+        dtype = resolve_dtype(config.dtype, device, gguf_parameters(gguf) if device != "cpu" else 0)
+        check_float_memory(gguf, dtype, device)
+        exact_cuda_matmuls(device)
+        loaded = gguf_model.load_float(gguf, target.with_name(target.name + "-direct"), dtype, device)
+        if loaded is not None:  # (else a model the lean forward does not run: converted, for transformers' forward)
+            return loaded
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # (transformers' models: 0.45 s to import)
 
