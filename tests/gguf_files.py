@@ -44,6 +44,13 @@ def write_gguf(path, model, permute: bool, projections=Type.Q4_1, output=Type.Q8
     """The model's weights quantised into a GGUF laid out as llama.cpp writes one (q/k permuted for Llama).
     projections: a type, or a function of the tensor's name giving one."""
     writer = gguf.GGUFWriter(str(path), model.config.model_type)  # (general.architecture)
+    add_weights(writer, model, permute, projections, output)
+    return close(writer, path)
+
+
+def add_weights(writer, model, permute: bool, projections=Type.Q4_1, output=Type.Q8_0, tied: bool = False):
+    """The model's tensors, in a GGUF writer, as write_gguf lays them out; tied: no output.weight (the output layer is
+    the embedding)."""
     config = model.config
 
     def add(name, weight, kind):
@@ -54,7 +61,8 @@ def write_gguf(path, model, permute: bool, projections=Type.Q4_1, output=Type.Q8
         writer.add_tensor(name, values.detach().float().numpy().copy())
 
     add("token_embd.weight", model.model.embed_tokens.weight, output)
-    add("output.weight", model.lm_head.weight, output)
+    if not tied:
+        add("output.weight", model.lm_head.weight, output)
     plain("output_norm.weight", model.model.norm.weight)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -73,6 +81,10 @@ def write_gguf(path, model, permute: bool, projections=Type.Q4_1, output=Type.Q8
                              ("attn_output", attn.o_proj.weight), ("ffn_gate", mlp.gate_proj.weight),
                              ("ffn_up", mlp.up_proj.weight), ("ffn_down", mlp.down_proj.weight)):
             add(f"blk.{i}.{name}.weight", weight, projections)
+
+
+def close(writer, path):
+    """The writer's header, metadata and tensors to the file; its path."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

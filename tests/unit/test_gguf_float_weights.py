@@ -18,7 +18,7 @@ from codespec.engine import Engine
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, Rows, forward_path, gguf_model, models
 from codespec.forward.graphs import GraphLlama
-from tests.gguf_files import k_quant_model, llama_cpp_order, q4_k_m, quantize
+from tests.gguf_files import add_weights, close, k_quant_model, q4_k_m
 from tests.tiny import EOS, tiny_arch_model, tiny_tokenizer
 
 
@@ -53,39 +53,8 @@ def write_gguf(path, model, projections=Type.Q8_0, output=Type.Q8_0, tied=False)
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]])
     writer.add_eos_token_id(EOS)
 
-    def add(name, weight, kind_):
-        kind_ = kind_(name) if callable(kind_) else kind_
-        writer.add_tensor(name, quantize(weight.detach().float().numpy(), kind_), raw_dtype=kind_)
-
-    def plain(name, values):  # norms and biases, float32 as llama.cpp's converter keeps them
-        writer.add_tensor(name, values.detach().float().numpy().copy())
-
-    add("token_embd.weight", model.model.embed_tokens.weight, output)
-    if not tied:
-        add("output.weight", model.lm_head.weight, output)
-    plain("output_norm.weight", model.model.norm.weight)
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        q, k = attn.q_proj.weight, attn.k_proj.weight
-        if kind == "llama":
-            q, k = llama_cpp_order(q, config.num_attention_heads), llama_cpp_order(k, config.num_key_value_heads)
-        plain(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
-        plain(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
-        if getattr(attn, "q_norm", None) is not None:
-            plain(f"blk.{i}.attn_q_norm.weight", attn.q_norm.weight)
-            plain(f"blk.{i}.attn_k_norm.weight", attn.k_norm.weight)
-        if attn.q_proj.bias is not None:
-            for name, linear in (("attn_q", attn.q_proj), ("attn_k", attn.k_proj), ("attn_v", attn.v_proj)):
-                plain(f"blk.{i}.{name}.bias", linear.bias)
-        for name, weight in (("attn_q", q), ("attn_k", k), ("attn_v", attn.v_proj.weight),
-                             ("attn_output", attn.o_proj.weight), ("ffn_gate", mlp.gate_proj.weight),
-                             ("ffn_up", mlp.up_proj.weight), ("ffn_down", mlp.down_proj.weight)):
-            add(f"blk.{i}.{name}.weight", weight, projections)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    add_weights(writer, model, kind == "llama", projections, output, tied)
+    return close(writer, path)
 
 
 def transformers_model(path, dtype=torch.float32):
