@@ -174,6 +174,58 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
                      context=context)
 
 
+class BucketCosts(CostModel):
+    """Seconds of a tick of the graph-safe forward (forward/graphs.py): its bucket's forward, once per width of rows
+    the busiest session needs, and once per largest bucket of sessions. Every session's rows are `width` rows of one
+    forward over a bucket of sessions (1, 2, 4, 8, 16), whatever each one verifies, so a draft up to the width is
+    free: the adaptive budget works per bucket. Each session verifies at most width - pending draft tokens
+    (decode.verify_lengths), and allocate() then verifies every draft token offered, since a row that costs nothing
+    never lowers the tokens per second (a draft model's own time per drafted token still counts against its
+    tokens). Measured at start for every bucket (a few forwards each, on the pool's scratch slot: no session's
+    memory), then corrected by the forwards generation runs, as CostModel is."""
+
+    def __init__(self, buckets: tuple[int, ...], seconds: tuple[float, ...], width: int, pinned: bool = False):
+        super().__init__(tuple(buckets), tuple(seconds), pinned=pinned)
+        self.width = width  # each session's rows in a forward: pending tokens and draft tokens together
+        self.learnt = list(seconds)  # each bucket's running estimate
+
+    def _bucket(self, sequences: int) -> int:
+        """The index of the bucket that runs this many sequences (at most the largest a forward)."""
+        return next(i for i, size in enumerate(self.sizes) if size >= min(sequences, self.sizes[-1]))
+
+    def cost(self, tokens: int, sequences: int = 1, keys: int | None = None, row_keys: int | None = None) -> float:
+        sequences = max(sequences, 1)
+        launches = -(-sequences // self.sizes[-1])
+        passes = max(1, -(-tokens // (self.width * sequences)))  # rows past a width each run another forward
+        return self.learnt[self._bucket(sequences)] * launches * passes
+
+    def observe(self, tokens: int, seconds: float, sequences: int = 1, keys: int | None = None,
+                row_keys: int | None = None) -> None:
+        if self.pinned or not 1 <= tokens <= self.width * sequences or sequences > self.sizes[-1]:
+            return  # (a tick of several passes or launches teaches nothing about one forward)
+        index = self._bucket(sequences)
+        estimate = self.learnt[index]
+        self.learnt[index] += self.LEARN * (min(seconds, DraftingCosts.OUTLIER * estimate) - estimate)
+        if sequences == 1:
+            self.one = self.learnt[index]
+
+
+def measure_bucket_costs(path, vocab_size: int, repeats: int = 6) -> BucketCosts:
+    """The fastest of `repeats` forwards of each bucket (taking turns, after a warm-up round) at a quarter of the
+    context, on the pool's scratch slot."""
+    rng = np.random.default_rng(0)
+    start = path.context // 4
+
+    def once(size: int) -> float:
+        ids = rng.integers(0, vocab_size, size * path.width).tolist()
+        started = time.perf_counter()
+        path.scratch_forward(ids, size, start)
+        return time.perf_counter() - started
+
+    timings = [[once(size) for size in path.buckets] for _ in range(repeats + 1)][1:]
+    return BucketCosts(path.buckets, tuple(min(column) for column in zip(*timings)), path.width)
+
+
 def pinned_costs(file: str) -> CostModel:
     """$CODESPEC_COSTS: a cost table in the shape `to_dict` writes ({"tokens": [...], "ms": [...]}, optionally
     "context" and "ms_per_1000_keys": [per sequence, per row]), used as it is, never measured nor learnt, so that
@@ -203,8 +255,6 @@ def forward_code() -> str:
 def cached_costs(path, model, vocab_size: int) -> CostModel:
     """measure_costs, remembered on disk for a named model on this machine, device, precision and thread count."""
     if getattr(path, "buckets", None):  # the graph-safe forward: a tick costs its bucket's forward (a few ms)
-        from .bucket_costs import measure_bucket_costs
-
         return measure_bucket_costs(path, vocab_size)
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:

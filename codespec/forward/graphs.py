@@ -305,7 +305,7 @@ class GraphLlama:
     @on_the_device
     def scratch_forward(self, ids: list[int], size: int, start: int) -> None:
         """One generating forward of `size` sessions (ids: a width each) at position `start`, all on the scratch
-        slot, which no session reads: what a bucket's forward costs (bucket_costs.py). Waits for the device."""
+        slot, which no session reads: what a bucket's forward costs (adaptive.BucketCosts). Waits for the device."""
         self.pool.ready()
         captured = self._captured(size)
         captured.inputs.copy_(torch.tensor(ids + [start] * size + [0] * size, dtype=torch.long))

@@ -270,7 +270,7 @@ def test_a_tick_of_the_graph_safe_forward_verifies_drafts_up_to_the_width_and_co
     """The adaptive budget per bucket: any draft up to the width is free (its rows run anyway), so every offered
     token is verified, none past the width."""
     from codespec.adaptive import Acceptance, Adaptive
-    from codespec.bucket_costs import BucketCosts, measure_bucket_costs
+    from codespec.adaptive import BucketCosts, measure_bucket_costs
     from codespec.decode import Propose, verify_lengths
 
     _, path = graph_path(dtype=torch.float32)
