@@ -380,5 +380,7 @@ class GraphLlama:
             following = self.layers[layer + 1][0] if layer + 1 < len(self.layers) else lean.norm
             x, h = ops.add_norm(x, mlp, following, lean.eps)  # h: the next layer's input, or the output norm's
         h = h[rows - (keep or rows) :]  # [keep, hidden]
-        logits = F.linear(h.to(self.head.dtype), self.head)  # [keep, vocab]
+        # the output layer in the operations' GEMM too: a GPU BLAS picks its kernel by the row count, and a bucket of
+        # 8 sessions would round a session's logits otherwise than the bucket of one
+        logits = ops.linear(h.to(self.head.dtype), self.head)  # [keep, vocab]
         return logits, logits.argmax(-1)
