@@ -34,13 +34,20 @@ def test_costs_interpolate_extend_and_never_fall_with_more_tokens():
     assert costs.relative(8) == pytest.approx(2.0 / 0.9)
 
 
-def test_observed_forwards_pull_their_size_toward_what_they_took():
-    costs = CostModel((1, 2, 4), (1.0, 1.0, 1.0))
+def test_observed_forwards_pull_every_size_past_one_row_by_the_same_factor():
+    """What forwards over some rows teach (the cache's attention, the load) every larger size pays too: learnt per
+    size, the sizes that ran looked dearer than those that had not, and a prediction followed to the end verified
+    7-16 tokens a step instead of 16. The measured table's shape still decides between sizes."""
+    costs = CostModel((1, 2, 4, 16), (1.0, 1.0, 2.0, 4.0))
     for _ in range(50):
         costs.observe(2, 3.0)
-    assert costs.cost(2) == pytest.approx(3.0, rel=0.02)
+    assert costs.cost(2) == pytest.approx(3.0, rel=0.02) and costs.cost(4) == pytest.approx(6.0, rel=0.02)
+    assert costs.cost(16) == pytest.approx(12.0, rel=0.02) and costs.cost(1) == 1.0
+    before = costs.cost(4)
     costs.observe(500, 9.0)  # a prefill: past the table, ignored
-    assert costs.cost(4) == 1.0
+    assert costs.cost(4) == before
+    drafts = [(0.997, 15, None)]
+    assert allocate(costs, drafts, 1, 1) == [15]  # every row of a right draft, whichever size taught the level
 
 
 def test_a_forward_over_several_sequences_teaches_what_each_sequence_adds_not_the_row_table():
