@@ -346,3 +346,28 @@ def test_a_device_without_room_for_twice_the_pool_grows_it_by_one_slot(monkeypat
     with pytest.raises(graphs.DeviceMemoryFull):
         path.new_cache()
     assert path.pool.slots == 6 and [c.slot for c in caches] == [1, 2, 3, 4, 5]
+
+
+def test_a_session_reused_across_requests_beside_other_sessions_writes_what_it_writes_alone():
+    """Lossless three ways on the stacked forward: a named session's second request (its cache cropped back to the
+    shared prefix) in ticks shared with other sessions gives the text that request gives in a fresh engine alone."""
+    from codespec.scheduler import Scheduler
+
+    model, _ = graph_path(dtype=torch.float32)
+    rng = np.random.default_rng(9)
+    first = random_prompt(rng, 40, repetitive=True)
+    second = first[:25] + random_prompt(rng, 20, repetitive=True)  # shares a prefix, then rewrites the rest
+    others = [random_prompt(rng, 30 + 5 * i, repetitive=True) for i in range(3)]
+    params = SamplingParams(max_tokens=24)
+    alone = Engine(model, tiny_tokenizer(), LOOKUP, eos_token_ids=frozenset({EOS}), forward="graphs")
+    expected = alone.generate(second, params).tokens
+    engine = Engine(model, tiny_tokenizer(), LOOKUP, eos_token_ids=frozenset({EOS}), forward="graphs")
+    scheduler = Scheduler(engine)
+    try:
+        scheduler.submit(first, params, session_id="editor").wait()
+        jobs = [scheduler.submit(p, params) for p in others]
+        again = scheduler.submit(second, params, session_id="editor")
+        assert again.wait().tokens == expected
+        assert [job.wait().tokens for job in jobs] == [alone.generate(p, params).tokens for p in others]
+    finally:
+        scheduler.close()
