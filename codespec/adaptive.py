@@ -256,13 +256,38 @@ def forward_code() -> str:
     return digest.hexdigest()[:16]
 
 
+STEADY = 1.25  # from one measured size to the next, a forward may cost this much less and a token this much more
+
+
+def steady(sizes: tuple[int, ...], seconds: tuple[float, ...]) -> bool:
+    """Whether a measured table looks undisturbed: from each size to the next a forward costs no less than the
+    smaller one's (more rows never cost less) and a token no more (more rows share the weights' reads), within
+    STEADY. Load from elsewhere during a measurement breaks this: tables kept on disk by earlier runs beside other
+    work priced one row at 487 ms and eight at 32 (a quiet measurement: 4.7 and 8.3), or 32 rows at 12 ms a token
+    where 16 took 2.1, and every later run on the machine inherited them."""
+    pairs = zip(zip(sizes, seconds), zip(sizes[1:], seconds[1:]))
+    return all(more * STEADY >= less and more / n_more <= STEADY * less / n_less
+               for (n_less, less), (n_more, more) in pairs)
+
+
+def measure_steady(path, vocab_size: int, attempts: int = 3) -> tuple[CostModel, bool]:
+    """measure_costs until the table is steady (at most `attempts` times), and whether it is."""
+    for _ in range(attempts):
+        costs = measure_costs(path, vocab_size)
+        if steady(costs.sizes, costs.seconds):
+            return costs, True
+    return costs, False
+
+
 def cached_costs(path, model, vocab_size: int) -> CostModel:
-    """measure_costs, remembered on disk for a named model on this machine, device, precision and thread count."""
+    """measure_costs, remembered on disk for a named model on this machine, device, precision and thread count; a
+    table measured unsteady (another process's load) serves this run but is not kept, and one on disk that is not
+    steady is measured again."""
     if getattr(path, "buckets", None):  # the graph-safe forward: a tick costs its bucket's forward (a few ms)
         return measure_bucket_costs(path, vocab_size)
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
-        return measure_costs(path, vocab_size)
+        return measure_steady(path, vocab_size)[0]
     key = json.dumps([name, str(model.device), str(model.dtype), type(path).__name__, getattr(path, "reads", ""),
                       getattr(path, "invariant", False),
                       str(getattr(path, "cache_dtype", "")),
@@ -276,11 +301,13 @@ def cached_costs(path, model, vocab_size: int) -> CostModel:
         # a file cut short by a kill, written by another version or edited by hand is measured again
         if sizes == list(SIZES) and len(seconds) == len(SIZES) and all(
                 type(s) in (int, float) and 0 < s < float("inf") for s in seconds) and len(keys) == 2 and all(
-                type(s) in (int, float) and 0 <= s < 1 for s in keys):
+                type(s) in (int, float) and 0 <= s < 1 for s in keys) and steady(SIZES, seconds):
             return CostModel(SIZES, tuple(float(s) for s in seconds), key_seconds=keys[0], row_key_seconds=keys[1])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    costs = measure_costs(path, vocab_size)
+    costs, kept = measure_steady(path, vocab_size)
+    if not kept:
+        return costs
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(json.dumps({"key": key, "sizes": costs.sizes, "seconds": costs.seconds,

@@ -93,6 +93,10 @@ class SpecConfig:
     spec: tuple[str, ...] = ("ngram-mod", "prompt-lookup")  # first non-empty draft wins: shared pool, then prompt
     draft_max: int = 16  # verifying up to ~8-16 tokens costs about one forward on a CPU
     draft_min: int = 1  # shorter drafts are dropped
+    prediction_draft_max: int = 64  # the drafter following a request's prediction (edit-align; Predicted Outputs, an
+    # LSP rewrite's selection) drafts up to this many tokens with the adaptive budget, other drafters draft_max (a
+    # request's own draft_max bounds both): a followed prediction's drafts are all accepted, and a verify over 65
+    # rows costs ~3.3x one over 17 on a CPU for 3.8x the tokens; the budget verifies only what pays
     adaptive: bool = True  # verify only as much of a draft as pays (measured costs x acceptance); off: all
     ngram_min: int = 2  # prompt-lookup: shortest trailing n-gram to look up (1 drafts too much junk)
     ngram_max: int = 4  # prompt-lookup: longest trailing n-gram, tried first
@@ -119,6 +123,9 @@ class SpecConfig:
             raise InvalidSetting(problem)
         if not 1 <= self.draft_max <= DRAFT_MAX_LIMIT:
             raise InvalidSetting(f"draft-max must be in 1..{DRAFT_MAX_LIMIT}, got {self.draft_max}")
+        if not 1 <= self.prediction_draft_max <= DRAFT_MAX_LIMIT:
+            raise InvalidSetting(f"prediction-draft-max must be in 1..{DRAFT_MAX_LIMIT}, "
+                                 f"got {self.prediction_draft_max}")
         if not 1 <= self.draft_min <= self.draft_max:
             raise InvalidSetting(f"draft-min must be in 1..draft-max ({self.draft_max}), got {self.draft_min}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -144,7 +151,8 @@ class SpecConfig:
             raise InvalidSetting(f"ngram cache file not found: {self.ngram_cache}")
 
     POOL_FIELDS = ("mod_pool_size", "mod_n", "mod_reset_occupancy", "mod_reset_low_rounds", "mod_reset_acceptance")
-    PER_STEP_FIELDS = ("draft_max", "draft_min", "adaptive")  # read at every step: changing them keeps the chain
+    PER_STEP_FIELDS = ("draft_max", "draft_min", "adaptive", "prediction_draft_max")  # read at every step: changing
+    # them keeps the chain
 
     def pool_settings(self) -> dict:
         """The shared ngram-mod pool's settings: one pool per engine, so every frontend of a process uses these."""

@@ -156,7 +156,8 @@ def speculative_step(session: Session, sampler: Sampler, draft_max: int, budget:
     pending = session.pending
     limit = adaptive.draft_limit(len(pending), session.cache.length) if adaptive is not None else None
     drafting = time.perf_counter()
-    draft = session.chain.draft(history, min(draft_max, budget - 1, room - 1), limit)
+    fits = min(budget - 1, room - 1)  # a reference's drafts may reach past draft_max (Chain.reach)
+    draft = session.chain.draft(history, min(draft_max, fits), limit, fits)
     proposal = draft.tokens if draft else []
     drafter = session.chain.last  # whose draft it is (None: no draft)
     verify = len(proposal)

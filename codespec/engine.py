@@ -340,7 +340,6 @@ class Engine:
         spec = spec or self.spec
         prompt_ids = self.prompt_ids(prompt, chat)
         session = self.session(session_id, spec)
-        session.chain.set_reference(reference)  # every generation: one without a reference clears it
         before = [s.copy() for s in session.chain.stats]
         stats = GenerationStats()
         constraint = Constraint(self.vocabulary, healed) if healed else None
@@ -353,6 +352,10 @@ class Engine:
                                       or not any(name in MODEL_DRAFTERS for name in spec.spec))
         if adaptive and session.adaptive is None:
             session.adaptive = Adaptive(self.costs, self.drafting)
+        # every generation: one without a reference clears it. With the adaptive budget, a reference's drafts reach
+        # up to prediction_draft_max tokens: a followed prediction's are all accepted, and longer ones verify more
+        # tokens a forward where the budget finds that pays
+        session.chain.set_reference(reference, spec.prediction_draft_max if adaptive else 0)
         if adaptive and reference:  # the caller vouches for it: its drafts start long
             session.adaptive.expect(EditAlign.name)
         steps = decode_steps(session, prompt_ids, Sampler(params), spec.draft_max, params.max_tokens,

@@ -142,7 +142,7 @@ def add_spec_options(parser: argparse.ArgumentParser, llama_server: bool = False
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"(default {default})")
             continue
-        if field.name in ("draft_max", "draft_min"):
+        if field.name in ("draft_max", "draft_min", "prediction_draft_max"):
             kind = bounded_int(1, DRAFT_MAX_LIMIT)
         else:
             kind = type(default) if default is not None else str

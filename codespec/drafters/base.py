@@ -53,6 +53,7 @@ def common_prefix(a, b) -> int:
 
 class Drafter:
     name: ClassVar[str] = "drafter"
+    follows_reference: ClassVar[bool] = False  # drafts from a generation's reference (Chain.set_reference's reach)
 
     def begin(self, history: np.ndarray, params: SamplingParams) -> None:
         pass

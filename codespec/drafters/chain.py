@@ -19,6 +19,7 @@ class Chain:
         self.stats = [DrafterStats(name=d.name) for d in drafters]
         self._last: int | None = None  # index of the drafter whose draft is being verified
         self.called: list[tuple[str, float]] = []  # the last draft()'s calls: (drafter, seconds), in chain order
+        self.reach = 0  # the longest draft a drafter that follows this generation's reference may make (0: draft_max)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -30,17 +31,22 @@ class Chain:
             drafter.begin(history, params)
             stats.begin_s += time.perf_counter() - started
 
-    def draft(self, history: np.ndarray, max_tokens: int, limit=None) -> Draft | None:
+    def draft(self, history: np.ndarray, max_tokens: int, limit=None, room: int | None = None) -> Draft | None:
         """The first draft of at least draft_min tokens that is not tentative, else the first tentative one.
         limit(name, max_tokens), when given, caps what one drafter may draft (0: skip it) — adaptive speculation's
-        say on drafters whose drafting is costly."""
+        say on drafters whose drafting is costly. room: the most tokens the step can take, up to which a drafter
+        that follows the reference drafts (self.reach; None: max_tokens)."""
         self._last = None
         self.called = []
-        if max_tokens < self.draft_min:
+        longest = min(max(max_tokens, self.reach), max_tokens if room is None else room)
+        if max(max_tokens, longest) < self.draft_min:
             return None
         fallback: tuple[int, Draft] | None = None
         for index, (drafter, stats) in enumerate(zip(self.drafters, self.stats)):
-            allowed = limit(drafter.name, max_tokens) if limit is not None else max_tokens
+            most = longest if drafter.follows_reference else max_tokens
+            if most < self.draft_min:  # (the step's room is below draft_max's floor for this drafter)
+                continue
+            allowed = limit(drafter.name, most) if limit is not None else most
             if allowed < self.draft_min:  # held back: adaptive speculation judged its drafting would not pay
                 stats.skipped_drafts += 1
                 continue
@@ -82,10 +88,12 @@ class Chain:
             stats.accept_s += time.perf_counter() - started
         self._last = None
 
-    def set_reference(self, tokens: list[int] | None) -> None:
-        """The text the next generation rewrites (None: an ordinary generation)."""
+    def set_reference(self, tokens: list[int] | None, reach: int = 0) -> None:
+        """The text the next generation rewrites (None: an ordinary generation), and the longest draft a drafter
+        that follows it may make (0: draft_max, as every drafter)."""
         for drafter in self.drafters:
             drafter.set_reference(tokens)
+        self.reach = reach if tokens else 0
 
     def truncate(self, new_len: int) -> None:
         for drafter, stats in zip(self.drafters, self.stats):

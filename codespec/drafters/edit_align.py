@@ -34,6 +34,7 @@ CONFIRMED = 32  # output tokens that follow the reference after a re-sync before
 
 class EditAlign(Drafter):
     name = "edit-align"
+    follows_reference = True
 
     def __init__(self, ngram_min: int = 2, ngram_max: int = 6, near: int = 8):
         # resync keys: ngram_min..ngram_max output tokens; a single token only re-anchors within `near`

@@ -137,8 +137,10 @@ class Generations:
                         if getattr(body, name) is not None}
         if body.spec is not None:
             spec_updates["spec"] = tuple(body.spec)
-        if "draft_max" in spec_updates and "draft_min" not in spec_updates:
-            spec_updates["draft_min"] = min(self.spec.draft_min, spec_updates["draft_max"])
+        if "draft_max" in spec_updates:  # the request's own bound, with a prediction too
+            spec_updates["prediction_draft_max"] = spec_updates["draft_max"]
+            if "draft_min" not in spec_updates:
+                spec_updates["draft_min"] = min(self.spec.draft_min, spec_updates["draft_max"])
         return replace(self.params, **updates), replace(self.spec, **spec_updates)  # (each checks itself)
 
     def bias_tokens(self, biases: list[tuple[int | str, float]]) -> tuple[tuple[int, float], ...]:

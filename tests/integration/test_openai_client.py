@@ -142,7 +142,12 @@ def test_predicted_outputs_draft_the_answer_and_the_client_reads_their_counts(cl
     details = predicted.usage.completion_tokens_details
     assert details.accepted_prediction_tokens >= 0.9 * predicted.usage.completion_tokens
     assert details.rejected_prediction_tokens <= 2
-    assert predicted.model_extra["speculation"]["tokens_per_forward"] >= 5
+    assert predicted.model_extra["speculation"]["tokens_per_forward"] > 17  # drafts past draft_max (16): up to 64
+    bounded = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=96, temperature=0,
+                                             prediction={"type": "content", "content": answer},
+                                             extra_body={"draft_max": 16})  # the request's own bound stands
+    assert bounded.choices[0].message.content == answer
+    assert 5 <= bounded.model_extra["speculation"]["tokens_per_forward"] <= 17
     wrong = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=96, temperature=0,
                                            prediction={"type": "content", "content": "SELECT * FROM users;\n" * 8})
     assert wrong.choices[0].message.content == answer

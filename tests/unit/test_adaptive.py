@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from codespec.adaptive import DraftingCosts, Acceptance, Adaptive, CostModel, allocate, choose, measure_costs
+from codespec.adaptive import (SIZES, DraftingCosts, Acceptance, Adaptive, CostModel, allocate, cached_costs, choose,
+                               measure_costs, steady)
 from codespec.config import SamplingParams, SpecConfig
 from codespec.decode import generate_steps
 from codespec.drafters import Chain
@@ -16,7 +17,6 @@ from codespec.session import Session
 from codespec.stats import GenerationStats
 from tests.tiny import EOS, FixedContinuation
 
-SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def fixed_costs(per_token: float) -> CostModel:
@@ -279,6 +279,26 @@ def test_a_reference_the_caller_vouches_for_is_drafted_in_full_from_its_first_ri
     evidence.observe(0, True)  # a miss: what was vouched for goes
     assert evidence.alpha == Acceptance(misses=1).alpha
 
+
+
+def test_a_followed_reference_drafts_past_draft_max_and_the_text_stays_plain_s(model):
+    """Chain.reach (prediction_draft_max): the reference's drafter drafts up to 40 tokens a step where draft_max is
+    16, bounded by what the step has room for; the text is plain decoding's."""
+    class Following(FixedContinuation):
+        follows_reference = True
+
+    prompt = list(range(10, 30))
+    plain, _, _ = run(model, prompt, NoDrafter(), None, max_tokens=60)
+    adaptive = Adaptive(fixed_costs(0.01))  # (a CPU: 64 rows cost ~3x 16's)
+    adaptive.expect(Following.name)
+    chain = Chain([Following(len(prompt), plain)])
+    chain.set_reference(plain, reach=40)
+    session = Session(forward_path(model), chain)
+    steps = list(generate_steps(session, prompt, Sampler(SamplingParams()), 16, 60,
+                                model.config.max_position_embeddings, frozenset({EOS}), GenerationStats(), adaptive))
+    assert [t for step in steps for t in step.tokens] == plain[:60]
+    drafted = [step.drafted for step in steps]
+    assert drafted[1] == 40 and len(drafted) == 3 and sum(drafted) + 3 == 60  # the last step drafts what is left
 
 def test_a_generation_with_a_reference_vouches_for_it(engine):
     prompt = list(range(10, 40))
@@ -548,3 +568,87 @@ def test_a_burst_of_load_that_priced_a_size_high_is_forgotten_once_one_token_for
     for _ in range(200):  # the whole machine slower (another process on a core): every size scales with one row
         costs.observe(1, 0.008)
     assert costs.cost(2) == pytest.approx(0.010, rel=0.02) and costs.cost(8) == pytest.approx(0.018, rel=0.02)
+
+
+QUIET = (4.68, 4.97, 5.70, 8.30, 14.43, 25.83, 49.15, 99.98)  # ms, the default model measured on a quiet host
+
+
+@pytest.mark.parametrize("table, believed", [
+    (QUIET, True),
+    ((3.08, 3.29, 4.03, 5.80, 10.32, 17.69, 31.48, 63.0), True),  # docs/benchmarks/forward-costs-2026-11-26.json
+    ((16.96, 15.93, 16.14, 18.35, 21.87, 29.12, 45.70, 80.0), True),  # bfloat16: flat, then rising
+    ((487.3, 480.6, 290.7, 32.0, 37.3, 72.2, 144.2, 1919.6), False),  # tables kept on disk by runs beside others
+    ((42.7, 12.9, 14.7, 83.5, 77.5, 218.3, 529.0, 870.8), False),
+    ((16.8, 13.0, 14.3, 32.7, 67.3, 391.5, 721.4, 1174.9), False),
+])
+def test_a_table_measured_beside_other_work_is_not_believed(table, believed):
+    assert steady(SIZES, tuple(ms / 1e3 for ms in table)) is believed
+
+
+class ClockedPath:
+    """A fake forward on a fake clock: n rows take QUIET's time, and one row `burst` seconds more on calls up to
+    `until` (another process's load: a forward of one size slowed in every round of a measurement)."""
+
+    def __init__(self, monkeypatch, until=0, burst=0.48):
+        import types
+
+        import codespec.adaptive as adaptive
+
+        self.now, self.calls, self.until, self.burst = 0.0, 0, until, burst
+        monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
+        self.times = dict(zip(SIZES, (ms / 1e3 for ms in QUIET)))
+
+    def new_cache(self):
+        return types_cache()
+
+    def __call__(self, cache, tokens, n):
+        self.calls += 1
+        self.now += self.times.get(len(tokens), 1e-3 * len(tokens))
+        if len(tokens) == 1 and self.calls <= self.until:
+            self.now += self.burst
+        cache.length += len(tokens)
+
+
+def types_cache():
+    import types
+
+    cache = types.SimpleNamespace(length=0)
+    cache.crop = lambda length: setattr(cache, "length", length)
+    return cache
+
+
+def named_model(name="clocked"):
+    import types
+
+    return types.SimpleNamespace(config=types.SimpleNamespace(_name_or_path=name), device="cpu", dtype="float32")
+
+
+def test_an_unsteady_measurement_is_measured_again_and_the_steady_one_kept(tmp_path, monkeypatch):
+    """The first measurement's one-row forwards are slowed in every round (its fastest round too); the second
+    measurement is quiet, and it is the one used and written."""
+    monkeypatch.setenv("CODESPEC_HOME", str(tmp_path))
+    path = ClockedPath(monkeypatch, until=72)  # (a measurement: 1 + 7 rounds x 8 sizes + 1 + 7 x 2 forwards)
+    costs = cached_costs(path, named_model(), 100)
+    assert path.calls > 72 and steady(costs.sizes, costs.seconds)
+    assert costs.seconds == pytest.approx(tuple(ms / 1e3 for ms in QUIET))
+    (file,) = (tmp_path / "costs").glob("*.json")
+    assert json.loads(file.read_text())["seconds"] == pytest.approx(list(costs.seconds))
+
+
+def test_a_machine_busy_through_every_measurement_is_not_kept_and_a_kept_unsteady_table_is_measured_again(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("CODESPEC_HOME", str(tmp_path))
+    busy = ClockedPath(monkeypatch, until=10 ** 6)
+    costs = cached_costs(busy, named_model(), 100)
+    assert not steady(costs.sizes, costs.seconds) and busy.calls == 3 * 72  # measured three times
+    assert not (tmp_path / "costs").exists() or not list((tmp_path / "costs").glob("*.json"))  # not kept
+    quiet = ClockedPath(monkeypatch)
+    first = cached_costs(quiet, named_model(), 100)
+    (file,) = (tmp_path / "costs").glob("*.json")
+    data = json.loads(file.read_text())
+    file.write_text(json.dumps({**data, "seconds": [0.487, 0.481, 0.291, 0.032, 0.037, 0.072, 0.144, 1.92]}))
+    fresh = ClockedPath(monkeypatch)
+    again = cached_costs(fresh, named_model(), 100)
+    assert fresh.calls == 72  # measured again, not read
+    assert again.seconds == pytest.approx(first.seconds)
+    assert json.loads(file.read_text())["seconds"] == pytest.approx(list(first.seconds))

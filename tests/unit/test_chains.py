@@ -43,3 +43,26 @@ def test_greedy_identity_for_every_drafter_and_chain(engine, chain):
 def test_model_drafters_go_last(engine):
     assert build_chain(SpecConfig(spec=("draft", "prompt-lookup", "ngram-mod"), **SMALL), engine.shared).names == (
         "prompt-lookup", "ngram-mod", "draft")
+
+
+def test_a_drafter_that_follows_the_reference_reaches_past_draft_max_and_no_other_does():
+    from codespec.drafters.base import Drafter
+    from codespec.drafters.chain import Chain
+
+    class Asked(Drafter):
+        def __init__(self, name, follows):
+            self.name, self.follows_reference, self.asked = name, follows, []
+
+        def draft(self, history, max_tokens):
+            self.asked.append(max_tokens)
+            return None
+
+    follower, other = Asked("edit-align", True), Asked("ngram-mod", False)
+    chain = Chain([follower, other])
+    history = np.arange(10)
+    for reference, reach, max_tokens, room in [(None, 64, 16, 100), ([1, 2], 64, 16, 100), ([1, 2], 64, 16, 30),
+                                               ([1, 2], 64, 5, 5), ([1, 2], 0, 16, 100)]:
+        chain.set_reference(reference, reach)
+        chain.draft(history, max_tokens, room=room)
+    assert follower.asked == [16, 64, 30, 5, 16]
+    assert other.asked == [16, 16, 16, 5, 16]

@@ -87,3 +87,11 @@ def test_a_prediction_on_chat_infill_and_streams_keeps_the_text_and_counts_in_th
 def test_a_malformed_prediction_is_a_4xx_with_an_error(server, prediction):
     answer = server.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "prediction": prediction})
     assert 400 <= answer.status_code < 500 and "error" in answer.json()
+
+
+def test_a_request_s_own_draft_max_bounds_its_prediction_s_drafts(server):
+    """A prediction drafts up to --prediction-draft-max tokens a step (64), unless the request sets draft_max."""
+    text = text_of("/completion", completion(server, "/completion", spec="none"))
+    bounded = completion(server, "/completion", prediction=text, draft_max=2)
+    assert bounded["content"] == text
+    assert 0 < edit_align(bounded)["gen_tokens"] <= 2 * bounded["speculation"]["target_forwards"]
