@@ -47,6 +47,7 @@ class CostModel:
     folded into it, a tick of 8 sessions' single rows made one draft token look as dear as a whole session)."""
 
     LEARN = 0.1  # weight of each observed forward in its size's running estimate
+    width: int | None = None  # the most rows one session may have in a forward (None: any; BucketCosts: its width)
 
     def __init__(self, sizes: tuple[int, ...], seconds: tuple[float, ...], pinned: bool = False,
                  key_seconds: float = 0.0, row_key_seconds: float = 0.0, context: int = 256):

@@ -81,7 +81,7 @@ def verify_lengths(costs: CostModel, proposals: list[Propose], rows: list[Rows])
     keys, row_keys = attended(rows)
     keys += sum(p.keys for p in proposals)
     row_keys += sum(p.pending * p.keys for p in proposals)
-    width = getattr(costs, "width", None)  # graph-safe forwards: a session's rows are a width (adaptive.BucketCosts)
+    width = costs.width  # graph-safe forwards: a session's rows are a width (adaptive.BucketCosts)
     available = [p.available if width is None else max(min(p.available, width - p.pending), 0) for p in proposals]
     return allocate(costs, [(p.alpha, offered, p.keys) for p, offered in zip(proposals, available)], base, generating,
                     sequences=len(rows) + len(proposals), keys=keys, row_keys=row_keys,

@@ -71,7 +71,8 @@ import torch
 
 from .cuda_device import (device_name, is_cuda, kernel_profile, kernels,
                           synchronized_ms)
-from .cuda_sessions import (CACHED, SHAPES, floors, format_sessions, format_shapes, graph_path,
+from ..forward.graphs import GraphLlama
+from .cuda_sessions import (CACHED, SHAPES, floors, format_sessions, format_shapes,
                             round_or_none, sessions_section, shape_model, shapes_section)
 
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -87,10 +88,10 @@ def forward_section(model, compiled: bool = True) -> dict:
     bandwidth, launch = floors(device)
     lean = LeanLlama(model)
     paths = {"lean (kernel by kernel)": lean,
-             "graph-safe, no graphs": graph_path(lean, context, graphs=False, compiled=False),
-             "graph-safe, CUDA graphs": graph_path(lean, context, compiled=False),
-             **({"graph-safe, compiled, CUDA graphs": graph_path(lean, context, compiled=True)} if compiled else {}),
-             "graph-safe, CUDA graphs, --ctx-size 2048": graph_path(lean, min(context, 2048), compiled=False)}
+             "graph-safe, no graphs": GraphLlama(lean, context, graphs=False, compiled=False),
+             "graph-safe, CUDA graphs": GraphLlama(lean, context, compiled=False),
+             **({"graph-safe, compiled, CUDA graphs": GraphLlama(lean, context, compiled=True)} if compiled else {}),
+             "graph-safe, CUDA graphs, --ctx-size 2048": GraphLlama(lean, min(context, 2048), compiled=False)}
     rows = []
     for name, path in paths.items():
         cache = path.new_cache()

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import torch
 
+from ..forward.graphs import GraphLlama
 from .cuda_device import copy_bandwidth, device_name, is_cuda, kernels, launch_us, synchronized_ms
 from .zoo import SHAPES as ZOO_SHAPES
 from .zoo import Shape
@@ -32,13 +33,6 @@ SHAPES = {
     "llama-3.2-3b": Shape("llama", 3072, 8192, 28, 24, 8, 128256, True, 500000.0),
     "tiny": Shape("llama", 64, 128, 2, 4, 2, 384, False, context=512),  # the tests' plumbing runs
 }
-
-
-def graph_path(lean, context: int, ops: str | None = None, **settings):
-    """graphs.GraphLlama(lean, context, ops=ops, ...): ops torch or triton (None: the path's default here)."""
-    from ..forward.graphs import GraphLlama
-
-    return GraphLlama(lean, context, ops=ops, **settings)
 
 
 def graph_lean(model):
@@ -123,7 +117,7 @@ def sessions_section(model, ops: list[str], cached: int = CACHED, repeats: int =
     rows, skipped, paths = [], {}, {}
     for choice in ops:
         try:
-            path = graph_path(lean, context, choice, compiled=False)
+            path = GraphLlama(lean, context, ops=choice, compiled=False)
             rows += stacked_rows_section(path, model.config.vocab_size, weights, bandwidth, launch, cached, repeats)
             paths[choice] = {"reads": getattr(path, "reads", ""), "ops": path.ops.name,
                              "cache_slot_mb": round(path.cache_bytes() / 1e6, 2),
@@ -216,7 +210,7 @@ def shapes_section(names: list[str], device, dtype: torch.dtype, ops: list[str],
             row = {"shape": name, "ops": choice, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                    "weights_mb": round(weights / 1e6, 1), "context": shape.context}
             try:
-                path = graph_path(lean, shape.context, choice, compiled=False)
+                path = GraphLlama(lean, shape.context, ops=choice, compiled=False)
                 row.update(ops=path.ops.name, reads=getattr(path, "reads", ""),
                            cache_slot_mb=round(path.cache_bytes() / 1e6, 2),
                            forward_weights_mb=round(path_weight_bytes(path) / 1e6, 1))

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import CodespecError
 from .kernels import block_tiles
-from .kernels.block_tiles import field  # (the file's metadata: for the bench's zoo too)
+from .kernels.block_tiles import field  # noqa: F401 (the file's metadata, re-exported: for the bench's zoo too)
 from .plan import head_size
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # the GGUF architectures read directly (the lean forward's)

@@ -16,8 +16,12 @@ reordered rows)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from ..errors import CodespecError
 
 BLOCK = 256  # keys per block of the attention's value products (a cache's length is a multiple of it)
 
@@ -88,21 +92,15 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what TritonOps
 def choose_ops(device: torch.device, choice: str | None = None, dtype: torch.dtype = torch.float32):
     """The operations for a model's device and dtype: "torch", "triton", or None for the best there (Triton's on
     CUDA where it imports, for TRITON_DTYPES; $CODESPEC_GRAPH_OPS overrides)."""
-    import os
-
     choice = choice or os.environ.get("CODESPEC_GRAPH_OPS") or None
     if choice == "torch" or (choice is None and (device.type != "cuda" or dtype not in TRITON_DTYPES)):
         return TorchOps()
     if choice not in (None, "triton"):
-        from ..errors import CodespecError
-
         raise CodespecError(f"graph ops {choice!r}: torch or triton")
     try:
         from .kernels.triton_ops import TritonOps
     except ImportError as error:
         if choice == "triton":
-            from ..errors import CodespecError
-
             raise CodespecError(f"the Triton kernels need triton ({error})") from None
         return TorchOps()
     return TritonOps()

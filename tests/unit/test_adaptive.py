@@ -18,7 +18,6 @@ from codespec.stats import GenerationStats
 from tests.tiny import EOS, FixedContinuation
 
 
-
 def fixed_costs(per_token: float) -> CostModel:
     """1 s for one token plus per_token s for each further token; frozen (no learning from real forwards)."""
     costs = CostModel(SIZES, tuple(1.0 + per_token * (n - 1) for n in SIZES))
