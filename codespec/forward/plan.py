@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..errors import CodespecError
-from .kernels import attention, block_tiles, capabilities, layers, q8_tiles
+from .kernels import attention, attention_tiles, block_tiles, capabilities, layers, q8_tiles
 from .projections import bfloat16_pays
 
 
@@ -124,10 +124,10 @@ def q8_activations(activations: str, gguf: Optional[Path]) -> bool:
 def cache_of(cache_type: str, cache_kernel: bool, q8: bool, head_dim: int) -> str:
     """The KV cache's elements for --cache-type (auto: f16 wherever attention.py runs, else the model's dtype)."""
     if cache_type == "q8" and not (cache_kernel and q8 and head_dim % 64 == 0
-                                   and capabilities.available("q8 cache attention")):
+                                   and attention_tiles.q8_instruction_set() is not None):
         raise CodespecError("--cache-type q8 runs where every forward runs in numba: with --weights gguf and "
-                            "--activations q8, on a CPU with AVX2 or AVX512-VNNI (the cache's scores), for head sizes "
-                            "that are a multiple of 64")
+                            "--activations q8, on a CPU with AVX2, AVX512-VNNI or ARM64's dot product (the cache's "
+                            "scores), for head sizes that are a multiple of 64")
     if cache_type == "f16" and not cache_kernel:
         raise CodespecError("--cache-type f16 runs on CPUs in float32 (numba's OpenMP pool), with a head size "
                             "that is a multiple of 16")

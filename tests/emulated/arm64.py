@@ -3,7 +3,8 @@
 On ARM64 codespec runs the IR modules that are plain IR (capabilities.NEEDS: no x86 feature): the float block
 tiles for every GGUF type, the attention tiles for float32 and float16 caches, SiLU; and the q8 tiles in ARM64's
 sdot (the dot-product extension) and in its smmla (the int8 matrix multiply, i8mm), every type's blocks times rows
-rounded to 8 bits. This lane has two halves:
+rounded to 8 bits; and the q8 cache's scores in sdot (exact integer sums: the x86 tiles' float32 bits, exactly).
+This lane has two halves:
 
 - `prepare DIR` (natively, in the project's environment): writes each module's IR text exactly as codespec builds
   it for a CPU with 16 vector registers (ARM64's NEON has 32 of 128 bits: a 16-lane vector takes four, as AVX2's
@@ -34,6 +35,7 @@ def prepare(folder: Path) -> None:
 
     from codespec.forward.kernels import attention_tiles, block_tiles, layers, q8_tiles
     from tests.gguf_files import quantize
+    from tests.unit.test_q8_cache import q8_rows
 
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -83,6 +85,16 @@ def prepare(folder: Path) -> None:
         expected[r, :n] = e / e.sum()
     np.savez(folder / "softmax.npz", logits=logits, valid=valid, expected=expected)
     cases.append({"kind": "attention", "name": "attention", "functions": names})
+    # the q8 cache's scores in sdot: exact integer sums times the scales in float32, bit for bit the x86 tiles' values
+    text, names = attention_tiles.source(DIM, q8="sdot", most=1, depth_first=True)
+    (folder / "q8-attention.ll").write_text(text)
+    keys, queries = rng.integers(-127, 128, (count, DIM)), rng.integers(-127, 128, (3, DIM))
+    keys[0], keys[1], queries[0], queries[1] = 127, -127, 127, -127  # the extremes in every lane
+    key_scales, query_scales = (rng.uniform(0.01, 2, n).astype(np.float32) for n in (count, 3))
+    exact = (queries @ keys.T).astype(np.float32)  # (exact in int64, then exactly representable)
+    np.savez(folder / "q8-attention.npz", k=q8_rows(keys, key_scales, True), q=q8_rows(queries, query_scales, False),
+             expected=exact * (key_scales[None, :] * query_scales[:, None]))
+    cases.append({"kind": "q8 attention", "name": "q8 attention", "functions": names, "needs": "+dotprod"})
     (folder / "silu.ll").write_text(layers.SILU_IR)
     gate = rng.standard_normal((2, 64)).astype(np.float32) * 4
     np.savez(folder / "silu.npz", gate=gate, expected=(gate[0] / (1 + np.exp(-gate[0].astype(np.float64)))) * gate[1])
@@ -252,6 +264,22 @@ def run_attention(folder: Path, case: dict) -> list[str]:
     return results
 
 
+def run_q8_attention(folder: Path, case: dict) -> str:
+    """The q8 cache's scores tile in sdot: the expected float32 bits exactly, a row alone as among three."""
+    addresses = compiled((folder / "q8-attention.ll").read_text(), case["functions"], case["needs"])
+    data = np.load(folder / "q8-attention.npz")
+    q, k, expected = np.ascontiguousarray(data["q"]), np.ascontiguousarray(data["k"]), data["expected"]
+    scores_tile = ctypes.CFUNCTYPE(None, P, I, P, I, P, I)(addresses[case["functions"].index("scores1")])
+    rows, count = expected.shape
+    scores = np.zeros((rows, count), np.float32)
+    scores_tile(address(q), rows, address(k), count, address(scores), count)
+    one = np.zeros((1, count), np.float32)
+    scores_tile(address(q[1:2].copy()), 1, address(k), count, address(one), count)
+    if not np.array_equal(scores.view(np.int32), expected.view(np.int32)) or not np.array_equal(one[0], scores[1]):
+        raise AssertionError("q8 attention scores in sdot: not the exact integer sums' float32 bits")
+    return "q8 scores (sdot): the same bits"
+
+
 def run_silu(folder: Path, case: dict) -> str:
     data = np.load(folder / "silu.npz")
     gate = np.ascontiguousarray(data["gate"]).reshape(-1)
@@ -278,6 +306,8 @@ def run(folder: Path) -> None:
                 results.append(run_q8(folder, case))
             elif case["kind"] == "attention":
                 results += run_attention(folder, case)
+            elif case["kind"] == "q8 attention":
+                results.append(run_q8_attention(folder, case))
             else:
                 results.append(run_silu(folder, case))
         print("  " + ", ".join(results))

@@ -27,6 +27,7 @@ MODULES = {
         "@softmax", "@avx2_softmax"),
     "q8 cache attention": lambda: attention_tiles.source(64, q8="avx2", most=1, depth_first=True)[0],
     "q8 cache attention, vnni": lambda: attention_tiles.source(64, q8="vnni")[0],
+    "q8 cache attention, sdot": lambda: attention_tiles.source(64, q8="sdot", most=1, depth_first=True)[0],
     "float block tiles": lambda: block_tiles.FMA_DECLARATION + "".join(  # every layout's
         block_tiles.source(kind, block_tiles.tile_rows(False))[0].split("\n", 1)[1] for kind in block_tiles.KINDS),
     "four-row block tiles": lambda: block_tiles.source("Q4_1", [4, 3])[0],
@@ -248,5 +249,5 @@ def test_the_portable_modules_compile_for_arm64_and_the_x86_ones_are_never_asked
     assert "fmla" in assembly and "ymm" not in assembly and "xmm" not in assembly
     if i8mm:  # every form's integer sums in smmla, two rows by two columns a time, and no sdot
         assert "smmla" in assembly and "sdot" not in assembly
-    if kernel == "q8 block tiles, neon":  # every form's integer sums in sdot, 16 bytes by 16 into 4 lanes
-        assert "sdot" in assembly  # (Apple's assembly spells it sdot.4s, Linux's sdot v0.4s)
+    if kernel in ("q8 block tiles, neon", "q8 cache attention, sdot"):  # integer sums in sdot, 16 bytes by 16 into 4
+        assert "sdot" in assembly  # lanes (Apple's assembly spells it sdot.4s, Linux's sdot v0.4s)

@@ -120,3 +120,4 @@ def test_an_arm64_cpus_features_leave_only_the_portable_tiles(monkeypatch, fresh
                    "prompt attention", "four-row block tiles"):
         assert not capabilities.available(kernel)
     assert capabilities.available("silu") and capabilities.available("float block tiles")
+    assert capabilities.available("q8 cache attention, sdot") == capabilities.host_has("openmp")  # the dot product

@@ -429,8 +429,8 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
     entries, score_row = [], 0
     for r, first in zip(rows, first_rows):
         cache = r.cache
-        if cache.keys.dtype == torch.int8:  # (its scores tile is compiled only where it runs)
-            capabilities.check("q8 cache attention")
+        if cache.keys.dtype == torch.int8 and attention_tiles.q8_instruction_set() is None:  # (its scores tile is
+            capabilities.check("q8 cache attention")  # compiled only where it runs: this names what is missing)
         if cache.length + len(r.ids) > cache.capacity:  # the kernel writes the rows' keys there: past the end corrupts
             raise ValueError(f"{len(r.ids)} rows at position {cache.length} overflow a cache of {cache.capacity}")
         entries.append([cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, first, cache.length,

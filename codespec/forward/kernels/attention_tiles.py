@@ -132,7 +132,7 @@ def scores_ir(dim: int, itemsize: int, depth_first: bool = False) -> str:
                    "  br i1 %bd, label %exit, label %block\nexit:\n  ret void\n}\n")
 
 
-def scores_q8_ir(dim: int, avx2: bool = False) -> str:
+def scores_q8_ir(dim: int, isa: str = "vnni") -> str:
     """@scores1(q, rows, k, count, out, width) for q8 caches: out[r * width + j] = (q[r] . k[j]) for query rows r
     rounded to 8 bits (q: per row dim int8, its float32 scale, then 128 x the sum of its integers as an int32) and
     keys j < count (a multiple of 16) of a q8 cache, stored plus 128 (unsigned, as vpdpbusd takes them) with their
@@ -142,7 +142,11 @@ def scores_q8_ir(dim: int, avx2: bool = False) -> str:
     multiplied with the row's (widened once a row) in vpmaddwd, pairs of products added into 8 integer lanes (at most
     2 x 255 x 127: exact, where vpmaddubsw's 16-bit pairs would saturate); two such halves make a key's 16 lanes, each
     key's added into the tree at once (depth first: AVX2's 16 registers). Integer sums are exact in any order, so
-    the scores have the VNNI tile's bits."""
+    the scores have the VNNI tile's bits.
+    isa "sdot" (ARM64's dot-product extension): each key's bytes less 128 (signed, as sdot takes them) times the
+    row's, 16 by 16 into four 32-bit lanes; a key's four lanes added down to its sum. Less 128 already, the sum
+    needs no 128 x sum(q) taken off: the same exact integers, the same bits."""
+    avx2, sdot = isa == "avx2", isa == "sdot"
     row, stride, chunks = dim + 8, dim + 4, dim // 64
     text = ("define void @scores1(ptr noalias %q, i64 %rows, ptr noalias %k, i64 %count, ptr noalias %out, "
             "i64 %width) {\nentry:\n  %blocks = udiv i64 %count, 16\n  %none = icmp eq i64 %blocks, 0\n"
@@ -160,6 +164,9 @@ def scores_q8_ir(dim: int, avx2: bool = False) -> str:
     for c in range(chunks):
         text += (f"  %qcp{c} = getelementptr i8, ptr %qp, i64 {64 * c}\n"
                  f"  %qv{c} = load <64 x i8>, ptr %qcp{c}, align 1\n")
+        if sdot:
+            text += "".join(f"  %qn{c}_{part} = shufflevector <64 x i8> %qv{c}, <64 x i8> poison, "
+                            f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n" for part in range(4))
         if avx2:
             text += f"  %qw{c} = sext <64 x i8> %qv{c} to <64 x i16>\n" + "".join(
                 f"  %qw{c}_{part} = shufflevector <64 x i16> %qw{c}, <64 x i16> poison, "
@@ -177,7 +184,15 @@ def scores_q8_ir(dim: int, avx2: bool = False) -> str:
             n = f"{key}_{c}"
             code += (f"  %kp{n} = getelementptr i8, ptr %kbp, i64 {key * stride + 64 * c}\n"
                      f"  %kv{n} = load <64 x i8>, ptr %kp{n}, align 1\n")
-            if avx2:
+            if sdot:  # the stored bytes less 128: signed
+                code += f"  %kx{n} = xor <64 x i8> %kv{n}, splat (i8 -128)\n"
+                for part in range(4):
+                    code += (f"  %kx{n}_{part} = shufflevector <64 x i8> %kx{n}, <64 x i8> poison, "
+                             f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n"
+                             f"  %d{n}_{part} = call <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32> {acc}, "
+                             f"<16 x i8> %kx{n}_{part}, <16 x i8> %qn{c}_{part})\n")
+                    acc = f"%d{n}_{part}"
+            elif avx2:
                 code += f"  %kw{n} = zext <64 x i8> %kv{n} to <64 x i16>\n"
                 for part in range(4):
                     code += (f"  %kw{n}_{part} = shufflevector <64 x i16> %kw{n}, <64 x i16> poison, "
@@ -191,16 +206,25 @@ def scores_q8_ir(dim: int, avx2: bool = False) -> str:
             else:
                 code += (f"  %d{n} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {acc}, "
                          f"<64 x i8> %kv{n}, <64 x i8> %qv{c})\n")
-            acc = f"%d{n}"
+            if not sdot:
+                acc = f"%d{n}"
         sums.append(acc)
         codes.append(code)
-    if avx2:  # each key's sums formed just before the tree takes them
+    if sdot:  # each key's four lanes added down into its lane of the 16 keys' sums
+        total = "poison"
+        for key, (acc, code) in enumerate(zip(sums, codes)):
+            text += (code + f"  %sum{key} = call i32 @llvm.vector.reduce.add.v4i32(<4 x i32> {acc})\n"
+                     f"  %keys{key} = insertelement <16 x i32> {total}, i32 %sum{key}, i64 {key}\n")
+            total = f"%keys{key}"
+        reduce = ""
+    elif avx2:  # each key's sums formed just before the tree takes them
         reduce, total = add_down(sums, "<16 x i32>", "add", "t", codes=codes)
     else:
         text += "".join(codes)
         reduce, total = add_down(sums, "<16 x i32>", "add", "t")
     text += reduce
-    return text + (f"  %exact = sub <16 x i32> {total}, %qc.s\n  %sf = sitofp <16 x i32> %exact to {VECTOR}\n"
+    offset = "zeroinitializer" if sdot else "%qc.s"  # (sdot's keys are less 128 already)
+    return text + (f"  %exact = sub <16 x i32> {total}, {offset}\n  %sf = sitofp <16 x i32> %exact to {VECTOR}\n"
                    f"  %sc = fmul {VECTOR} {scales}, %qs.s\n  %sv = fmul {VECTOR} %sf, %sc\n"
                    "  %oo = mul i64 %r, %width\n  %oj = add i64 %oo, %kb\n"
                    "  %op = getelementptr float, ptr %out, i64 %oj\n"
@@ -240,8 +264,10 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
 
 def q8_instruction_set() -> str | None:
     """The integer dot products the q8 cache's scores run in on this CPU: "vnni" (vpdpbusd) where present, else
-    "avx2" (vpmaddwd), or None (an ARM64 CPU: --cache-type q8 is refused with a line naming what is missing)."""
-    for isa, kernel in (("vnni", "q8 cache attention, vnni"), ("avx2", "q8 cache attention")):
+    "avx2" (vpmaddwd), "sdot" on ARM64 with the dot-product extension, or None (--cache-type q8 is then refused
+    with a line naming what is missing)."""
+    for isa, kernel in (("vnni", "q8 cache attention, vnni"), ("avx2", "q8 cache attention"),
+                        ("sdot", "q8 cache attention, sdot")):
         if capabilities.available(kernel):
             return isa
     return None
@@ -256,7 +282,8 @@ def kernels(dim: int) -> np.ndarray:
     wide = capabilities.host_has("avx512f")
     most = value_rows(wide)
     text, names = source(dim, q8, most, depth_first=not wide)
-    kernel = {None: "cache attention", "avx2": "q8 cache attention", "vnni": "q8 cache attention, vnni"}[q8]
+    kernel = {None: "cache attention", "avx2": "q8 cache attention", "vnni": "q8 cache attention, vnni",
+              "sdot": "q8 cache attention, sdot"}[q8]
     addresses = compile_ir(text, names, kernel)
     tiles = addresses[:-1].reshape(-1, 1 + most)
     return np.insert(tiles, 1, addresses[-1], axis=1)
@@ -271,9 +298,11 @@ def source(dim: int, q8: str | None, most: int = GROUP, depth_first: bool = Fals
     sizes = (4, 2, 1) if q8 else (4, 2)
     declaration = {None: "",
                    "vnni": "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)\n",
-                   "avx2": "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"}[q8]
+                   "avx2": "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n",
+                   "sdot": "declare <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32>, <16 x i8>, <16 x i8>)\n"
+                           "declare i32 @llvm.vector.reduce.add.v4i32(<4 x i32>)\n"}[q8]
     text = (DECLARATIONS + declaration
-            + "".join((scores_ir(dim, size, depth_first) if size > 1 else scores_q8_ir(dim, avx2=q8 == "avx2"))
+            + "".join((scores_ir(dim, size, depth_first) if size > 1 else scores_q8_ir(dim, q8))
                       + "".join(values_ir(dim, rows, size) for rows in range(1, most + 1)) for size in sizes)
             + softmax_ir("softmax", bfloat16=False))
     names = [f"{kind}{size}{suffix}" for size in sizes

@@ -17,6 +17,7 @@ NEEDS = {
     "cache attention": ("openmp",),  # attention.py: rows against the KV cache (float32 and float16 caches)
     "q8 cache attention": ("openmp", "avx2"),  # attention_tiles.py's q8 scores: vpmaddwd
     "q8 cache attention, vnni": ("openmp", "avx512vnni"),  # the same scores in vpdpbusd, where the CPU has it
+    "q8 cache attention, sdot": ("openmp", "dotprod"),  # and in ARM64's sdot (the dot-product extension)
     "silu": (),  # layers.py's SiLU times up: plain IR, any target
     "float block tiles": (),  # block_tiles.py: a GGUF's blocks times float32 rows, plain 16-lane IR
     "four-row block tiles": ("avx512f",),  # their 3- and 4-row tiles: four rows' sums fit only 32 vector registers
