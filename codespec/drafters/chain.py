@@ -39,12 +39,10 @@ class Chain:
         self._last = None
         self.called = []
         longest = min(max(max_tokens, self.reach), max_tokens if room is None else room)
-        if max(max_tokens, longest) < self.draft_min:
-            return None
         fallback: tuple[int, Draft] | None = None
         for index, (drafter, stats) in enumerate(zip(self.drafters, self.stats)):
             most = longest if drafter.follows_reference else max_tokens
-            if most < self.draft_min:  # (the step's room is below draft_max's floor for this drafter)
+            if most < self.draft_min:  # no room for a draft this long
                 continue
             allowed = limit(drafter.name, most) if limit is not None else most
             if allowed < self.draft_min:  # held back: adaptive speculation judged its drafting would not pay

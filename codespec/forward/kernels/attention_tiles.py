@@ -132,6 +132,12 @@ def scores_ir(dim: int, itemsize: int, depth_first: bool = False) -> str:
                    "  br i1 %bd, label %exit, label %block\nexit:\n  ret void\n}\n")
 
 
+def _quarter(name: str, part: int, element: str) -> str:
+    """%{name}_{part} = lanes 16 part .. 16 part + 15 of the 64-lane vector %{name} of `element`s."""
+    return (f"  %{name}_{part} = shufflevector <64 x {element}> %{name}, <64 x {element}> poison, "
+            f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n")
+
+
 def scores_q8_ir(dim: int, isa: str = "vnni") -> str:
     """@scores1(q, rows, k, count, out, width) for q8 caches: out[r * width + j] = (q[r] . k[j]) for query rows r
     rounded to 8 bits (q: per row dim int8, its float32 scale, then 128 x the sum of its integers as an int32) and
@@ -165,12 +171,10 @@ def scores_q8_ir(dim: int, isa: str = "vnni") -> str:
         text += (f"  %qcp{c} = getelementptr i8, ptr %qp, i64 {64 * c}\n"
                  f"  %qv{c} = load <64 x i8>, ptr %qcp{c}, align 1\n")
         if sdot:
-            text += "".join(f"  %qn{c}_{part} = shufflevector <64 x i8> %qv{c}, <64 x i8> poison, "
-                            f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n" for part in range(4))
+            text += "".join(_quarter(f"qv{c}", part, "i8") for part in range(4))
         if avx2:
             text += f"  %qw{c} = sext <64 x i8> %qv{c} to <64 x i16>\n" + "".join(
-                f"  %qw{c}_{part} = shufflevector <64 x i16> %qw{c}, <64 x i16> poison, "
-                f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n" for part in range(4))
+                _quarter(f"qw{c}", part, "i16") for part in range(4))
     text += (f"  %qsp = getelementptr i8, ptr %qp, i64 {dim}\n  %qs = load float, ptr %qsp, align 1\n"
              f"  %qs.v = insertelement {VECTOR} poison, float %qs, i64 0\n"
              f"  %qs.s = shufflevector {VECTOR} %qs.v, {VECTOR} poison, <16 x i32> zeroinitializer\n"
@@ -187,16 +191,14 @@ def scores_q8_ir(dim: int, isa: str = "vnni") -> str:
             if sdot:  # the stored bytes less 128: signed
                 code += f"  %kx{n} = xor <64 x i8> %kv{n}, splat (i8 -128)\n"
                 for part in range(4):
-                    code += (f"  %kx{n}_{part} = shufflevector <64 x i8> %kx{n}, <64 x i8> poison, "
-                             f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n"
+                    code += (_quarter(f"kx{n}", part, "i8") +
                              f"  %d{n}_{part} = call <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32> {acc}, "
-                             f"<16 x i8> %kx{n}_{part}, <16 x i8> %qn{c}_{part})\n")
+                             f"<16 x i8> %kx{n}_{part}, <16 x i8> %qv{c}_{part})\n")
                     acc = f"%d{n}_{part}"
             elif avx2:
                 code += f"  %kw{n} = zext <64 x i8> %kv{n} to <64 x i16>\n"
                 for part in range(4):
-                    code += (f"  %kw{n}_{part} = shufflevector <64 x i16> %kw{n}, <64 x i16> poison, "
-                             f"<16 x i32> <{lanes(range(16 * part, 16 * part + 16))}>\n"
+                    code += (_quarter(f"kw{n}", part, "i16") +
                              f"  %m{n}_{part} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %kw{n}_{part}, "
                              f"<16 x i16> %qw{c}_{part})\n")
                 code += (f"  %lo{n} = add <8 x i32> %m{n}_0, %m{n}_2\n  %hi{n} = add <8 x i32> %m{n}_1, %m{n}_3\n"
