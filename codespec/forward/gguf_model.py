@@ -131,15 +131,24 @@ def metadata(path: Path, folder: Path):
             return config, saved_tokenizer(folder, config)
         except Exception:  # a damaged copy: built again below
             pass
+    from unittest import mock
+
+    import gguf
     from transformers import AutoConfig, AutoTokenizer
 
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # transformers reads a Llama's or Qwen's config with gguf.GGUFReader, every element of the vocabulary's
+        # arrays too (AutoConfig's read, and AutoTokenizer's again to pick a class: 10 of a 1.7B model's 27-second
+        # first load); the config needs none of them, and the tokenizer reads its own with transformers' fast reader
+        with mock.patch.object(gguf, "GGUFReader", block_tiles.arrays_skipped()):
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # transformers raises many types for unreadable or unsupported files
         raise CodespecError(f"cannot load GGUF {path}: {str(exc).splitlines()[0][:300]}") from None
     config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)
+    if not config_dict.get("vocab_size"):  # (no {arch}.vocab_size: transformers counts the vocabulary, skipped above)
+        config_dict["vocab_size"] = block_tiles.embedding_rows(path) or len(tokenizer)
     key_length = block_tiles.field(path, f"{block_tiles.architecture(path)}.attention.key_length")
     if key_length is not None:  # (transformers' mapping misses Qwen3's head size, wider than hidden / heads)
         config_dict["head_dim"] = int(key_length)

@@ -109,6 +109,7 @@ class LeanLlama:
         # a model read directly from its GGUF (gguf_model.py) has no float weights: only the blocks' kernels run
         self.direct = getattr(model, "gguf_direct", None) is not None
         self.on_disk = self._from_disk(plan)  # its projections as the q8 tiles read them, kept by an earlier load
+        self.keeper = None  # (the copy being written while a first load packs them)
         if plan.gguf is not None:  # (a direct model on q8 without a kept copy: each tensor repacked as it is read)
             packing = self.direct and self.on_disk is None and plan.activations == "q8"
             blocks = block_tiles.read_gguf(*self.gguf_source, projections=self.on_disk is None,
@@ -224,12 +225,14 @@ class LeanLlama:
         kept = repacked.load(plan.gguf, q8_tiles.instruction_set(), self.gguf_source[3])
         return kept if kept is not None and len(kept) == 4 * len(self.model.model.layers) + 1 else None
 
-    @staticmethod
-    def _packer():
+    def _packer(self):
         """Blocks (or block_tiles.Mapped) -> what q8_tiles.packed makes of them for this CPU (a tuple, left as it
-        is)."""
+        is), each written at once into the copy kept for the next load (self.keeper: repacked.Keeper)."""
         isa = q8_tiles.instruction_set() or "avx2"  # (none: the tiles say what they lack when compiled, as repack)
-        return lambda weight: weight.q8_packed(isa) if hasattr(weight, "q8_packed") else weight
+        if self.keeper is None:
+            self.keeper = repacked.Keeper(self.gguf_source[0], isa, self.gguf_source[3])
+        keeper = self.keeper
+        return lambda weight: keeper.add(weight.q8_packed(isa)) if hasattr(weight, "q8_packed") else weight
 
     def _repacked(self, weights: list) -> None:
         """Replace each of `weights` (blocks, or packed as read) with what q8_tiles.packed makes of it, so that each
@@ -238,7 +241,8 @@ class LeanLlama:
         packer = self._packer()
         for i, weight in enumerate(weights):
             weights[i] = packer(weight)
-        repacked.save(self.gguf_source[0], q8_tiles.instruction_set() or "avx2", self.gguf_source[3], weights)
+        self.keeper.finish(weights)
+        self.keeper = None
 
     def replan(self, **changes) -> None:
         """This forward's plan with `changes` (resolve's settings), resolved and applied. A setting not changed that

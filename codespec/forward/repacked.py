@@ -19,6 +19,7 @@ import json
 import mmap
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -28,7 +29,7 @@ import numpy as np
 from ..config import codespec_home
 from .kernels.q8_tiles import Form
 
-VERSION = 2  # of this file's layout (2: K-quant scales factored, q8_tiles.Form.factored)
+VERSION = 3  # of this file's layout (2: K-quant scales factored, q8_tiles.Form.factored; 3: the header last)
 ALIGN = 64  # each array starts at a multiple of this many bytes (a cache line: the tiles' loads)
 SAMPLE = 1 << 16  # bytes read at each end of the GGUF for its stamp
 HEADER_MAX = 1 << 24  # a header longer than this is a damaged one (a 7B model's: ~40 KB)
@@ -54,24 +55,31 @@ def load(gguf: Path, isa: str, scale: float) -> Optional[list[tuple]]:
     try:
         path, stamp = _place(gguf, isa, scale)
         with open(path, "rb") as file:
-            header, index = _header(file)
+            index = _header(file)
             if index.get("stamp") != stamp:
                 return None
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # (writable arrays: numba's usual type)
-        start = _start(header)
-        return [(_array(mapped, start, *entry["q"]), _array(mapped, start, *entry["held"]), Form(**entry["form"]),
+        return [(_array(mapped, *entry["q"]), _array(mapped, *entry["held"]), Form(**entry["form"]),
                  entry["rows"], entry["chunk_groups"]) for entry in index["weights"]]
     except (OSError, ValueError, KeyError, TypeError):  # none kept, or a damaged copy: packed afresh
         return None
 
 
-def _header(file) -> tuple[bytes, dict]:
-    """A kept copy's header, as bytes and read (ValueError for one that is not: a damaged copy)."""
+def _header(file) -> dict:
+    """A kept copy's header (at its end, then its length), read (ValueError for one that is not: a damaged copy)."""
+    size = file.seek(0, os.SEEK_END)
+    if size < 8:
+        raise ValueError("no header")
+    file.seek(size - 8)
     length = int.from_bytes(file.read(8), "little")
-    if length > HEADER_MAX:
+    if length > min(HEADER_MAX, size - 8):
         raise ValueError(f"a header of {length} bytes")
-    header = file.read(length)
-    return header, json.loads(header)
+    file.seek(size - 8 - length)
+    header = json.loads(file.read(length))
+    if any(offset + int(np.prod(shape)) > size - 8 - length
+           for entry in header["weights"] for offset, shape in (entry["q"], entry["held"])):
+        raise ValueError("arrays past the end")
+    return header
 
 
 def _prune(folder: Path) -> None:
@@ -80,7 +88,7 @@ def _prune(folder: Path) -> None:
     for copy in folder.glob("*.bin"):
         try:
             with open(copy, "rb") as file:
-                gone = not Path(_header(file)[1]["gguf"]).exists()
+                gone = not Path(_header(file)["gguf"]).exists()
         except (OSError, ValueError, KeyError, TypeError):
             gone = True  # (damaged, or of an older layout)
         if gone:
@@ -93,43 +101,75 @@ def _prune(folder: Path) -> None:
             pass
 
 
-def _start(header: bytes) -> int:
-    """Where the arrays begin: after the header's length and the header, at a multiple of ALIGN."""
-    return -(-(8 + len(header)) // ALIGN) * ALIGN
+def _array(mapped: mmap.mmap, offset: int, shape: list[int]) -> np.ndarray:
+    return np.frombuffer(mapped, np.uint8, count=int(np.prod(shape)), offset=offset).reshape(shape)
 
 
-def _array(mapped: mmap.mmap, start: int, offset: int, shape: list[int]) -> np.ndarray:
-    return np.frombuffer(mapped, np.uint8, count=int(np.prod(shape)), offset=start + offset).reshape(shape)
+class Keeper:
+    """A copy being written as the weights are packed (`add`, from any thread: each weight's arrays go to the file
+    while the next ones are packed; written at the end, 1.1 GB took 1-2.7 s of a 1.7B model's first load), then
+    finished with its header and renamed over the old copy (`finish`: a load never maps half a file). One that
+    cannot be written (a read-only or full disk) keeps nothing and the load goes on."""
+
+    def __init__(self, gguf: Path, isa: str, scale: float):
+        self.gguf, self.entries, self.end, self.file, self.lock = gguf, {}, 0, None, threading.Lock()
+        try:
+            self.path, self.stamp = _place(gguf, isa, scale)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _prune(self.path.parent)
+            if gguf.stat().st_size * 2 > shutil.disk_usage(self.path.parent).free // 2:
+                return  # (the copy holds at most ~1.5x the file) not worth half of what is left of the disk
+            self.partial = self.path.with_suffix(f".{os.getpid()}-{id(self)}.partial")
+            self.file = open(self.partial, "wb")
+        except OSError:
+            self.file = None
+
+    def add(self, weight: tuple) -> tuple:
+        """Write `weight` (q8_tiles.packed's tuple) into the copy; returns it."""
+        q, held, form, rows, chunk_groups = weight
+        with self.lock:
+            if self.file is None or id(q) in self.entries:
+                return weight
+            entry = {"form": dataclasses.asdict(form), "rows": int(rows), "chunk_groups": int(chunk_groups)}
+            try:
+                for name, array in (("q", q), ("held", held)):
+                    entry[name] = [self.end, list(array.shape)]
+                    self.file.seek(self.end)
+                    self.file.write(np.ascontiguousarray(array).data)
+                    self.end += -(-array.nbytes // ALIGN) * ALIGN
+            except OSError:
+                self.abandon()
+                return weight
+            self.entries[id(q)] = (entry, q)  # (q held: its id stays its own)
+        return weight
+
+    def finish(self, packed: list[tuple]) -> None:
+        """The copy of `packed` (in this order; what `add` has not written is written now), kept for the next
+        load."""
+        for weight in packed:
+            self.add(weight)
+        if self.file is None:
+            return
+        try:
+            header = json.dumps({"stamp": self.stamp, "gguf": str(self.gguf.resolve()),
+                                 "weights": [self.entries[id(weight[0])][0] for weight in packed]}).encode()
+            self.file.seek(self.end)
+            self.file.write(header + len(header).to_bytes(8, "little"))
+            self.file.truncate(self.end + len(header) + 8)
+            self.file.close()
+            self.partial.replace(self.path)
+            self.file = None
+        except OSError:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Keep nothing (a failed write, or a load that stopped)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+            self.partial.unlink(missing_ok=True)
 
 
 def save(gguf: Path, isa: str, scale: float, packed: list[tuple]) -> None:
-    """Keep `packed` (q8_tiles.packed's tuples: the projections of `gguf` for `isa`) for the next load: written whole
-    under another name, then renamed over the old copy (a load never maps half a file)."""
-    entries, size = [], 0
-    for q, held, form, rows, chunk_groups in packed:
-        entry = {"form": dataclasses.asdict(form), "rows": int(rows), "chunk_groups": int(chunk_groups)}
-        for name, array in (("q", q), ("held", held)):
-            entry[name] = [size, list(array.shape)]  # (from the start of the arrays)
-            size += -(-array.nbytes // ALIGN) * ALIGN
-        entries.append(entry)
-    partial = None
-    try:
-        path, stamp = _place(gguf, isa, scale)
-        header = json.dumps({"stamp": stamp, "gguf": str(gguf.resolve()), "weights": entries}).encode()
-        start = _start(header)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _prune(path.parent)
-        if start + size > shutil.disk_usage(path.parent).free // 2:
-            return  # not worth half of what is left of the disk
-        partial = path.with_suffix(f".{os.getpid()}.partial")
-        with open(partial, "wb") as file:
-            file.write(len(header).to_bytes(8, "little") + header)
-            for entry, (q, held, *_) in zip(entries, packed):
-                for (offset, _), array in ((entry["q"], q), (entry["held"], held)):
-                    file.seek(start + offset)
-                    file.write(np.ascontiguousarray(array).data)
-            file.truncate(start + size)
-        partial.replace(path)
-    except OSError:  # a read-only or full disk: nothing kept
-        if partial is not None:
-            partial.unlink(missing_ok=True)
+    """Keep `packed` (q8_tiles.packed's tuples: the projections of `gguf` for `isa`) for the next load (Keeper)."""
+    Keeper(gguf, isa, scale).finish(packed)

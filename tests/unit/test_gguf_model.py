@@ -183,7 +183,9 @@ def test_a_second_load_maps_the_q8_tiles_copy_the_first_kept_and_gives_the_same_
     with open(kept, "r+b") as file:  # damaged: cut short
         file.truncate(size // 2)
     again, reads = logits_and_reads()
-    assert len(reads) > 1 and torch.equal(again, first) and kept.stat().st_size == size
+    assert len(reads) > 1 and torch.equal(again, first) and kept.stat().st_size > size // 2
+    again, reads = logits_and_reads()  # (written again whole: its arrays in the order the threads packed them)
+    assert reads == [] and torch.equal(again, first)
     other = k_quant_model("llama")
     with torch.no_grad():
         other.model.layers[0].mlp.down_proj.weight.mul_(2)

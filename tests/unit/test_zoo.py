@@ -2,6 +2,8 @@
 codespec, with the shapes and tokenizer llama-server needs. (llama-quantize and llama-server are the bench's, built by
 build_llama_server: no test needs them.)"""
 
+import json
+
 import gguf
 import pytest
 
@@ -31,6 +33,15 @@ def test_a_zoo_file_has_the_shape_and_tokenizer_asked_for_and_loads_directly(tmp
         arch, 64, 128, 2)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (4, 2, 49200)
     assert len(tokenizer) == 49200 and tokenizer.decode(tokenizer("def f(x):")["input_ids"]) == "def f(x):"
+    # read with the vocabulary's arrays skipped (gguf_model.metadata): the config transformers reads with them
+    from transformers import AutoConfig
+
+    whole = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    whole.pop("quantization_config", None)
+    kept = AutoConfig.for_model(**json.loads((tmp_path / "meta" / "config.json").read_text())).to_dict()
+    whole = AutoConfig.for_model(**whole).to_dict()
+    mine = {"head_dim", "_name_or_path"}  # (the head size gguf_model adds; where each was read from)
+    assert {k: v for k, v in kept.items() if k not in mine} == {k: v for k, v in whole.items() if k not in mine}
 
 
 def test_the_zoo_names_what_it_cannot_run():

@@ -37,6 +37,7 @@ several rows.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,7 +322,7 @@ def _q6_k(raw):
     n, s = raw.shape[:2]
     ql = raw[:, :, :128].reshape(n, s, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
     qh = raw[:, :, 128:192].reshape(n, s, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
-    q = ((ql & 15).reshape(n, s, 8, 32) | ((qh & 3).reshape(n, s, 8, 32) << 4)).astype(np.int16) - 32
+    q = ((ql & 15).reshape(n, s, 8, 32) | ((qh & 3).reshape(n, s, 8, 32) << 4)).view(np.int8) - np.int8(32)
     scales = raw[:, :, 192:208].view(np.int8).astype(np.float32)
     d = _halves(raw, 208)  # (the minimums' base: -32 d, the minimum of a block held plus 32, q8_tiles.packed)
     return (q.reshape(n, -1, 32), (d[..., None] * scales).reshape(n, -1, 2), None, np.stack([d, -32 * d], axis=-1))
@@ -416,20 +417,21 @@ class Blocks:
         elif layout.bits == 8:
             if not layout.minimum and m is not None and np.any(m):
                 raise ValueError(f"layout {kind} has no minimum to hold")
-            stored = q.astype(np.int8).view(np.uint8)
+            stored = q.astype(np.int8, copy=False).view(np.uint8)
         else:
-            values = q.astype(np.int16)
+            unsigned = q.dtype == np.uint8 and layout.minimum  # (a K-quant's nibbles: no copy in 16 bits)
+            values = q if unsigned else q.astype(np.int16)
             if not layout.minimum:  # (q - offset) * d
                 if m is not None and np.any(m):
                     raise ValueError(f"layout {kind} has no minimum to hold")
                 values = values + layout.offset
-            elif values.min(initial=0) < 0:  # a signed part in a layout with a minimum: q + shift, m - shift * d
+            elif not unsigned and values.min(initial=0) < 0:  # a signed part with a minimum: q + shift, m - shift d
                 shift = 1 << (layout.bits - 1)
                 values = values + shift
                 m = (np.zeros_like(d) if m is None else m) - shift * d
-            if values.min(initial=0) < 0 or values.max(initial=0) >= 1 << layout.bits:
+            if (not unsigned and values.min(initial=0) < 0) or values.max(initial=0) >= 1 << layout.bits:
                 raise ValueError(f"values out of {kind}'s {layout.bits} bits")
-            stored = ((values[..., :16] & 15) | ((values[..., 16:] & 15) << 4)).astype(np.uint8)
+            stored = ((values[..., :16] & 15) | ((values[..., 16:] & 15) << 4)).astype(np.uint8, copy=False)
         if layout.minimum:
             m = np.zeros_like(d) if m is None else m
             minimums = np.ascontiguousarray(m.reshape(n, -1), np.float32)
@@ -438,17 +440,19 @@ class Blocks:
         return cls(kind, np.ascontiguousarray(stored.reshape(n, -1)), np.ascontiguousarray(d.reshape(n, -1), np.float32),
                    minimums, source, base)
 
-    def integers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """q [N, B, 32] (int16), d and m [N, B, scales] (m None where there is none) with w = q * d + m: what `of`
-        takes."""
+    def integers(self, narrow: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """q [N, B, 32] (int16; narrow: int8 or, for unsigned nibbles, uint8, which only q8_tiles.packed takes), d
+        and m [N, B, scales] (m None where there is none) with w = q * d + m: what `of` takes."""
         layout = KINDS[self.kind]
         n = self.q.shape[0]
         stored = self.q.reshape(n, -1, layout.q_bytes)
         blocks = stored.shape[1]
         if layout.bits == 8:
-            q = stored.view(np.int8).astype(np.int16)
+            q = stored.view(np.int8) if narrow else stored.view(np.int8).astype(np.int16)
         else:
-            q = _nibbles(stored).astype(np.int16) - layout.offset
+            q = _nibbles(stored)
+            if layout.offset or not narrow:
+                q = q.astype(np.int16) - layout.offset
         d = self.d.reshape(n, blocks, layout.scales)
         return q, d, self.m.reshape(n, blocks, layout.scales) if layout.minimum else None
 
@@ -518,7 +522,7 @@ class Blocks:
         """(q, d, m, base) of rows first..last as q8_tiles takes them: nibbles with a minimum (Q4_0: m = -8 d), or
         bytes."""
         rows = self.rows(slice(first, last))
-        return (*(rows.as_kind("Q4_1") if KINDS[self.kind].bits == 4 else rows).integers(), rows.base)
+        return (*(rows.as_kind("Q4_1") if KINDS[self.kind].bits == 4 else rows).integers(narrow=True), rows.base)
 
 
 def planes(types: set) -> int:
@@ -540,9 +544,17 @@ def _reader(path: Path):
 
 @functools.lru_cache(maxsize=1)
 def _read(path: str, size: int, modified: int):
+    return arrays_skipped()(path)
+
+
+@functools.cache
+def arrays_skipped():
+    """gguf.GGUFReader less the contents of the metadata's arrays: each is stepped over (strings by their lengths,
+    numbers whole), its field holding no values. gguf reads them an element at a time, 3-5 s for a 49-152k-token
+    vocabulary."""
     import gguf
 
-    class TensorsOnly(gguf.GGUFReader):
+    class ArraysSkipped(gguf.GGUFReader):
         def _get_field_parts(self, offs, raw_type):
             if raw_type == gguf.GGUFValueType.ARRAY and self.byte_order != "S":
                 item_type, count = int(self._get(offs, np.uint32)[0]), int(self._get(offs + 4, np.uint64)[0])
@@ -557,7 +569,7 @@ def _read(path: str, size: int, modified: int):
                     return size, [], [], [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(item_type)]
             return super()._get_field_parts(offs, raw_type)
 
-    return TensorsOnly(path)
+    return ArraysSkipped
 
 
 def field(path: Path, name: str):
@@ -567,6 +579,12 @@ def field(path: Path, name: str):
         return None
     value = found.parts[found.data[0]]
     return bytes(value).decode() if found.types and found.types[0].name == "STRING" else value.tolist()[0]
+
+
+def embedding_rows(path: Path) -> int | None:
+    """The rows of the GGUF's token embedding (its vocabulary as the model sees it), or None without one."""
+    found = next((t for t in _reader(path).tensors if t.name == "token_embd.weight"), None)
+    return None if found is None else int(found.shape[-1])
 
 
 def architecture(path: Path) -> str:
@@ -607,6 +625,9 @@ def _unsupported(tensors) -> str | None:
         if tensor.name.endswith(".weight") and len(tensor.shape) == 2 and tensor.tensor_type.name not in FORMATS:
             return f"{tensor.name} is {tensor.tensor_type.name}"
     return None
+
+
+LOAD_THREADS = 2  # layers read (and repacked) at once
 
 
 def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bool | None = None,
@@ -672,9 +693,8 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bo
         load(parameter, values, name)
         return found.rows(lean_rows.numpy())
 
-    layers = []
-    heads_only = direct and not projections  # (a model with float weights has them overwritten, always)
-    for i, layer in enumerate([] if heads_only else inner.layers):
+    def layer_blocks(i: int) -> list:  # layer i's [qkv, o, gate_up, down], each as `each` makes them
+        layer = inner.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
         q = heads_part(f"blk.{i}.attn_q.weight", attn.q_proj.weight, heads).scaled(scale)
         k = heads_part(f"blk.{i}.attn_k.weight", attn.k_proj.weight, kv_heads)
@@ -686,8 +706,15 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bo
             load(parameter, _shaped(parts[key], direct), f"blk.{i}.{name}.weight")
         fused = [Blocks.cat([q, k, parts["v"]]), parts["o"], Blocks.cat([parts["gate"], parts["up"]]), parts["down"]]
         del q, k, parts
-        layers.append([each(b) for b in fused] if each is not None else fused)
-        del fused
+        return [each(b) for b in fused] if each is not None else fused
+
+    heads_only = direct and not projections  # (a model with float weights has them overwritten, always)
+    # two layers at a time: decoding and repacking the blocks is numpy and numba, which let go of the GIL (a 1.7B
+    # Q4_K_M's read, 11.9-14.4 -> 7.1-7.7 s); a load holds two layers' blocks at a time, not one. (Only where numba's
+    # pool is OpenMP or TBB: its workqueue takes one parallel loop at a time, and the repacking has some.)
+    threads = LOAD_THREADS if capabilities.host_has("openmp") else 1
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        layers = list(pool.map(layer_blocks, range(0 if heads_only else len(inner.layers))))
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     if direct:  # the embedding's rows decoded as they are looked up; the output layer where it is not kept
         if "token_embd.weight" not in tensors:

@@ -577,7 +577,7 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
         bases.append(base[0] if base else None)
         if planes:
             half = 8 << planes
-            shift = np.where(q.min(axis=2, keepdims=True) < 0, half, 0)
+            shift = (q.min(axis=2, keepdims=True) < 0) * q.dtype.type(half)  # (in q's type: int64 took 4x longer)
             q, m = q + shift, (0 if m is None else m) - shift * d
             if q.min(initial=0) < 0 or q.max(initial=0) >= 2 * half:
                 raise ValueError(f"not {stored}-bit weights")
@@ -593,7 +593,8 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
     slots = np.concatenate(slots)
     _, blocks, count = slots.shape
     scales = count // (2 if minimum else 1)
-    offset = next((k for k in OFFSETS if minimum and np.array_equal(slots[..., scales:], -k * slots[..., :scales])), 0)
+    offset = next((k for k in OFFSETS if minimum and np.array_equal(slots[:1, :, scales:], -k * slots[:1, :, :scales])
+                   and np.array_equal(slots[..., scales:], -k * slots[..., :scales])), 0)  # (the first row first)
     if offset:  # the minimums are -offset d: formed in the tile, not read
         slots, count = np.ascontiguousarray(slots[..., :scales]), scales
     factors = _factors(slots, bases, scales)  # (1.5 bytes a scale, against float16's 2 and float32's 4)
@@ -629,36 +630,62 @@ def _factors(slots: np.ndarray, bases: list, scales: int) -> tuple | None:
     kinds = 1 + (count > scales)
     base = np.ascontiguousarray(base[:, :, :kinds], np.float32)
     ints = np.empty(slots.shape, np.int8)
-    for first in range(0, rows, REPACK_ROWS):  # (a chunk at a time: the temporaries stay small)
-        part = slice(first, first + REPACK_ROWS)
-        each = np.repeat(base[part], SUPER, axis=1)[:, :, [0] * scales + [kinds - 1] * (count - scales)]
-        with np.errstate(divide="ignore", invalid="ignore"):  # (exact where the scale is a multiple of the base)
-            found = np.rint(np.where(each != 0, slots[part] / np.where(each != 0, each, 1), 0))
-        if found.min(initial=0) < -128 or found.max(initial=0) > 127 or not np.array_equal(found * each, slots[part]):
-            return None
-        ints[part] = found
-    return ints, base
+    return (ints, base) if _factor_bytes(np.ascontiguousarray(slots, np.float32), base, scales, ints) else None
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False)
+def _factor_bytes(slots, base, scales, ints):
+    """ints[r, b, j] = slots[r, b, j] / its base (base[r, b // SUPER]: the d's for the first `scales`, else the
+    m's), rounded, in float32; whether every one is a signed byte whose product with the base is the scale."""
+    rows, blocks, count = slots.shape
+    exact = np.ones(rows, np.bool_)
+    for r in prange(rows):
+        for b in range(blocks):
+            for j in range(count):
+                each = base[r, b // SUPER, 0 if j < scales else base.shape[2] - 1]
+                found = np.float32(np.rint(np.float32(slots[r, b, j] / each))) if each != 0 else np.float32(0)
+                if found < -128 or found > 127 or np.float32(found * each) != slots[r, b, j]:
+                    exact[r] = False
+                    found = np.float32(0)
+                ints[r, b, j] = np.int8(found)
+    return exact.all()
 
 
 def _steps(bits: int, q: np.ndarray) -> np.ndarray:
     """q [rows, B, 32] as the tiles read it, [groups, B * Form.block_bytes] bytes: per block, step p holds weights
     4p..4p + 3 of each of 16 columns (nibbles: step p in the low nibbles, step p + 4 in the high ones; bits 5 and
-    6: those nibbles of 0..31 or 0..63, then a plane for each higher bit; bytes: the signed values plus 128). Rows
-    past the last are zero weights."""
+    6: those nibbles of 0..31 or 0..63, then a plane for each higher bit, each step's 64 bits in the order of its
+    bytes, least significant first; bytes: the signed values plus 128). Rows past the last are zero weights."""
     rows, blocks, _ = q.shape
-    groups = -(-rows // COLUMNS)
-    values = np.zeros((groups * COLUMNS, blocks, 32), np.uint8)
-    values[:rows] = q  # (bytes: -128..127 wrap to 128..255, and back to 0..255 plus 128 below)
-    if bits == 8:
-        values += 128
-    # [group, column, block, step, 4 weights] -> [group, block, step, column, 4 weights]
-    steps = values.reshape(groups, COLUMNS, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
-    if bits in (5, 6):  # the low nibbles as bits 4 has them, then each plane: a step's bits in the order of its bytes
-        planes = [np.packbits((steps >> bit).reshape(groups, blocks, 8, 64) & 1, axis=3, bitorder="little")
-                  for bit in range(4, bits)]
-        low = (steps[:, :, :4] & 15) | ((steps[:, :, 4:] & 15) << 4)
-        steps = np.concatenate([low.reshape(groups, blocks, -1)] + [p.reshape(groups, blocks, -1) for p in planes],
-                               axis=2)
-    if bits == 4:
-        steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
-    return np.ascontiguousarray(steps).reshape(groups, -1)
+    block_bytes = {8: 512, 4: 256}.get(bits, 256 + 64 * (bits - 4))
+    out = np.zeros((-(-rows // COLUMNS), blocks * block_bytes), np.uint8)
+    _lay_steps(q, bits, block_bytes, out)
+    return out
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False)
+def _lay_steps(q, bits, block_bytes, out):
+    """_steps' bytes into out (zeros), a group of COLUMNS rows a task (numpy's transposes and bit packing took 4 of
+    a 1.7B Q4_K_M's 20-second first load)."""
+    rows, blocks = q.shape[0], q.shape[1]
+    for g in prange(out.shape[0]):
+        for c in range(COLUMNS):
+            r = g * COLUMNS + c
+            for b in range(blocks):
+                at = b * block_bytes
+                for p in range(8 if bits == 8 else 4):
+                    for w in range(4):
+                        place = at + (p * COLUMNS + c) * 4 + w
+                        if r >= rows:  # zero weights: (stored plus 128 as bytes)
+                            out[g, place] = 128 if bits == 8 else 0
+                        elif bits == 8:  # (signed bytes wrap to 128..255, plus 128 back to 0..255)
+                            out[g, place] = np.uint8((q[r, b, 4 * p + w] + 128) & 255)
+                        else:  # step p in the low nibbles, step p + 4 in the high ones
+                            out[g, place] = np.uint8((q[r, b, 4 * p + w] & 15) | ((q[r, b, 4 * p + 16 + w] & 15) << 4))
+                if bits in (5, 6) and r < rows:  # the planes: bit (c % 2) 4 + w of byte c // 2 of step p's 8
+                    for bit in range(4, bits):
+                        for p in range(8):
+                            byte = 0
+                            for w in range(4):
+                                byte |= ((q[r, b, 4 * p + w] >> bit) & 1) << ((c % 2) * 4 + w)
+                            out[g, at + 256 + (bit - 4) * 64 + p * 8 + c // 2] |= np.uint8(byte)
