@@ -626,7 +626,7 @@ def _factors(slots: np.ndarray, bases: list, scales: int) -> tuple | None:
     if any(base is None for base in bases) or slots.shape[1] % SUPER:
         return None
     base = np.concatenate(bases)
-    rows, blocks, count = slots.shape
+    count = slots.shape[2]
     kinds = 1 + (count > scales)
     base = np.ascontiguousarray(base[:, :, :kinds], np.float32)
     ints = np.empty(slots.shape, np.int8)
