@@ -709,12 +709,6 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bo
         return [each(b) for b in fused] if each is not None else fused
 
     heads_only = direct and not projections  # (a model with float weights has them overwritten, always)
-    # two layers at a time: decoding and repacking the blocks is numpy and numba, which let go of the GIL (a 1.7B
-    # Q4_K_M's read, 11.9-14.4 -> 7.1-7.7 s); a load holds two layers' blocks at a time, not one. (Only where numba's
-    # pool is OpenMP or TBB: its workqueue takes one parallel loop at a time, and the repacking has some.)
-    threads = LOAD_THREADS if capabilities.host_has("openmp") else 1
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        layers = list(pool.map(layer_blocks, range(0 if heads_only else len(inner.layers))))
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     if direct:  # the embedding's rows decoded as they are looked up; the output layer where it is not kept
         if "token_embd.weight" not in tensors:
@@ -725,15 +719,29 @@ def read_gguf(path: Path, model, order: torch.Tensor, scale: float, permuted: bo
                                 f"model's vocabulary {inner.embed_tokens.weight.shape[0]}")
         if heads_only:
             return {"embed": embed}
-        if each is None:
+        if each is not None and tensors[head_name].data.shape[0] != model.lm_head.weight.shape[0]:
+            raise CodespecError(f"--weights gguf: {head_name} has {tensors[head_name].data.shape[0]} rows, "
+                                f"the model's vocabulary {model.lm_head.weight.shape[0]}")
+
+    def packed_head():  # (repacked from the mapped file a few thousand rows at a time)
+        head = each(Mapped(tensors[head_name]))
+        release(reader, tensors[head_name])
+        return head
+
+    # two at a time, the output layer with the layers: decoding and repacking the blocks is numpy and numba, which
+    # let go of the GIL (a 1.7B Q4_K_M's read, 11.9-14.4 -> 7.1-7.7 s); a load holds two layers' blocks at a time,
+    # not one. (Only where numba's pool is OpenMP or TBB: its workqueue takes one parallel loop at a time, and the
+    # repacking has some.)
+    threads = LOAD_THREADS if capabilities.host_has("openmp") else 1
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        head_packed = pool.submit(packed_head) if direct and each is not None else None
+        layers = list(pool.map(layer_blocks, range(len(inner.layers))))
+    if direct:
+        if head_packed is not None:
+            head = head_packed.result()
+        else:
             head = blocks(head_name)
             load(model.lm_head.weight, _shaped(head, direct), head_name)
-        else:  # (repacked from the mapped file a few thousand rows at a time)
-            if tensors[head_name].data.shape[0] != model.lm_head.weight.shape[0]:
-                raise CodespecError(f"--weights gguf: {head_name} has {tensors[head_name].data.shape[0]} rows, "
-                                    f"the model's vocabulary {model.lm_head.weight.shape[0]}")
-            head = each(Mapped(tensors[head_name]))
-            release(reader, tensors[head_name])
         return {"head": head, "embed": embed, "layers": layers}
     head = blocks(head_name)
     load(model.lm_head.weight, _shaped(head, direct), head_name)
