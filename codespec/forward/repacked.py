@@ -1,10 +1,11 @@
 """The q8 tiles' copies of a GGUF's projections, kept on disk between loads.
 
-Repacking a file's blocks for the q8 tiles (block_tiles.Blocks.read, then q8_tiles.packed) is numpy work over every
-weight: ~0.7 s of each load of the default model, 14 s of each load of a 1.7B Q4_K_M file. The first load writes the
-copies into one file under $CODESPEC_HOME/repacked (one for each GGUF and instruction set; the copies of GGUFs that
-are gone are removed when another is written); later loads map it (copy-on-write, so nothing is read until a forward
-touches it, and its pages are the page cache's) and read only the embedding and output layer from the GGUF.
+Repacking a file's blocks for the q8 tiles (block_tiles.Blocks.read, then q8_tiles.packed) is numpy and numba work
+over every weight: ~0.7 s of each load of the default model, 6-7 s of each load of a 1.7B Q4_K_M file. The first
+load writes the copies into one file under $CODESPEC_HOME/repacked (one for each GGUF and instruction set; the
+copies of GGUFs that are gone are removed when another is written); later loads map it (copy-on-write, so nothing is
+read until a forward touches it, and its pages are the page cache's) and read only the embedding and output layer
+from the GGUF.
 
 A copy is taken only where it was packed from the same file (its path, size and time, and the bytes at its start and
 end), for the same instruction set and by the same code (numba's cache folder, named by a digest of every kernel
