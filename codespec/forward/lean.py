@@ -241,7 +241,7 @@ class LeanLlama:
         packer = self._packer()
         for i, weight in enumerate(weights):
             weights[i] = packer(weight)
-        self.keeper.finish(weights)
+        weights[:] = self.keeper.finish(weights)  # (mapped from the copy: the packed arrays go)
         self.keeper = None
 
     def replan(self, **changes) -> None:
