@@ -331,4 +331,11 @@ def format_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":  # one file's codespec figures, in a process of its own (its peak RSS is its own)
-    print(json.dumps(measure_codespec(Path(sys.argv[1]), load_only="--load-only" in sys.argv)))
+    files = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    if len(files) != 1 or not Path(files[0]).is_file() or set(sys.argv[1:]) - {*files, "--load-only"}:
+        sys.exit("usage: python -m codespec.bench.zoo FILE.gguf [--load-only]: one GGUF's load, forward and decode "
+                 "figures in codespec, as JSON")
+    try:
+        print(json.dumps(measure_codespec(Path(files[0]), load_only="--load-only" in sys.argv)))
+    except CodespecError as exc:
+        sys.exit(f"codespec: {exc}")
