@@ -107,12 +107,12 @@ def _array(mapped: mmap.mmap, offset: int, shape: list[int]) -> np.ndarray:
 
 
 class Keeper:
-    """A copy being written as the weights are packed (`add`, from any thread: each weight's arrays go to the file
-    while the next ones are packed; written at the end, 1.1 GB took 1-2.7 s of a 1.7B model's first load), then
-    finished with its header and renamed over the old copy (`finish`: a load never maps half a file). A weight
-    written is given back mapped from the file, as a later load maps it: the packed arrays go, and a first load
-    holds what a later one holds (a 1.7B Q4_K_M's first-load peak RSS: 2,151-2,231 -> 1,864-2,041 MB). One that cannot be
-    written (a read-only or full disk) keeps nothing, and the load goes on with the arrays it packed."""
+    """A copy being written as the weights are packed (`add`, from any thread: each weight's arrays go to the file while
+    the next ones are packed; written at the end, 1.1 GB took 1-2.7 s of a 1.7B model's first load), then finished
+    with its header and renamed over the old copy (`finish`: a load never maps half a file). A weight written is
+    given back mapped from the file, as a later load maps it: the packed arrays go, and a first load holds what a
+    later one holds (a 1.7B Q4_K_M's first-load peak RSS: 2,151-2,231 -> 1,864-2,041 MB). One that cannot be written
+    (a read-only or full disk) keeps nothing, and the load goes on with the arrays it packed."""
 
     def __init__(self, gguf: Path, isa: str, scale: float):
         self.gguf, self.entries, self.end, self.file, self.lock = gguf, {}, 0, None, threading.Lock()
