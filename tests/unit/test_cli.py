@@ -182,3 +182,26 @@ def test_a_setting_out_of_range_cannot_be_made():
         with pytest.raises(InvalidSetting, match=message) as raised:
             make()
         assert isinstance(raised.value, CodespecError) and isinstance(raised.value, ValueError)
+
+
+@pytest.mark.parametrize("own_process", [False, True])
+def test_lifelong_heap_freezes_only_the_commands_own_process(monkeypatch, own_process):
+    """`codespec generate` and `serve` build their imports and engine with the cyclic collector off and then freeze
+    them out of later passes; a caller's process (these tests) keeps its collector as it was. Either way the
+    collector runs again after, also when the load fails."""
+    import gc
+
+    from codespec.cli import commands
+
+    monkeypatch.setattr(commands, "OWN_PROCESS", own_process)
+    frozen = gc.get_freeze_count()
+    try:
+        with pytest.raises(CodespecError):
+            with commands.lifelong_heap():
+                assert gc.isenabled() is not own_process
+                raise CodespecError("the load failed")
+        assert gc.isenabled()
+        assert (gc.get_freeze_count() > frozen) is own_process
+    finally:
+        gc.unfreeze()
+        gc.enable()
