@@ -196,10 +196,9 @@ def test_lifelong_heap_freezes_only_the_commands_own_process(monkeypatch, own_pr
     monkeypatch.setattr(commands, "OWN_PROCESS", own_process)
     frozen = gc.get_freeze_count()
     try:
-        with pytest.raises(CodespecError):
-            with commands.lifelong_heap():
-                assert gc.isenabled() is not own_process
-                raise CodespecError("the load failed")
+        with pytest.raises(CodespecError), commands.lifelong_heap():
+            assert gc.isenabled() is not own_process
+            raise CodespecError("the load failed")
         assert gc.isenabled()
         assert (gc.get_freeze_count() > frozen) is own_process
     finally:
