@@ -150,12 +150,15 @@ class CodespecServer(LanguageServer):
 
     def _load(self) -> None:
         try:
-            from codespec.engine import Engine
-            from codespec.scheduler import Scheduler
+            from codespec.cli.commands import lifelong_heap
 
             model = self.model_config.model if self.model_fixed else self.settings.model
             config = replace(self.model_config, model=model)
-            engine = Engine.load(config, settings_module.spec_config(self.settings), show_progress=False)
+            with lifelong_heap():  # (the process's one engine: in `codespec lsp`, built without the collector)
+                from codespec.engine import Engine
+                from codespec.scheduler import Scheduler
+
+                engine = Engine.load(config, settings_module.spec_config(self.settings), show_progress=False)
             engine.cache_reuse = self.cache_reuse
             scheduler = Scheduler(engine)
             scheduler.call_soon(lambda engine: engine.costs)  # the cost table now, not in the first completion

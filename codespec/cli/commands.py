@@ -39,8 +39,8 @@ OWN_PROCESS = False  # the `codespec` command's process (cli.console), not a cal
 
 @contextlib.contextmanager
 def lifelong_heap():
-    """In the `codespec` command's own process, imports and the one engine of `generate` or `serve` live as long
-    as it does: Python's cyclic collector stays off while they are built (each full pass walks all ~440k objects
+    """In the `codespec` command's own process, imports and the one engine of `generate`, `serve` or `lsp` live as
+    long as it does: Python's cyclic collector stays off while they are built (each full pass walks all ~440k objects
     of torch, transformers and numba to find ~8k cycles and no memory: 0.3-0.5 s of a 3.4 s `codespec generate`),
     then freezes them out of every later pass (a served request's collections walk only what requests made)."""
     if not OWN_PROCESS:  # a caller's process (tests, scripts) keeps its collector as it was
