@@ -150,7 +150,7 @@ class CodespecServer(LanguageServer):
 
     def _load(self) -> None:
         try:
-            from codespec.cli.commands import lifelong_heap
+            from codespec.cli.memory import lifelong_heap
 
             model = self.model_config.model if self.model_fixed else self.settings.model
             config = replace(self.model_config, model=model)

@@ -17,9 +17,9 @@ def console() -> None:
     flushed. The interpreter's teardown (collecting and freeing torch's, numba's and LLVM's objects) took 0.8 s
     of a 4 s `codespec generate` after the text was out; nothing is left to write by then (caches and kept
     copies are written, and renamed into place, during the load)."""
-    from . import commands
+    from . import memory
 
-    commands.OWN_PROCESS = True  # (commands.lifelong_heap)
+    memory.OWN_PROCESS = True  # (memory.lifelong_heap)
     code = main()
     if sys.argv[1:2] == ["generate"]:
         for stream in (sys.stdout, sys.stderr):

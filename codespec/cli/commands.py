@@ -3,14 +3,13 @@ which turns every error into one line and an exit status."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import sys
 
 from ..config import DEFAULT_MODEL, ModelConfig
 from ..errors import CodespecError
+from .memory import lifelong_heap
 from .options import MODEL_FLAGS, build_parser, served_names, server_config, settings_from_args
 
 
@@ -32,26 +31,6 @@ def read_prompt(args) -> str:
     if not prompt.strip():
         raise CodespecError("the prompt is empty")
     return prompt
-
-
-OWN_PROCESS = False  # the `codespec` command's process (cli.console), not a caller's: lifelong_heap applies
-
-
-@contextlib.contextmanager
-def lifelong_heap():
-    """In the `codespec` command's own process, imports and the one engine of `generate`, `serve` or `lsp` live as
-    long as it does: Python's cyclic collector stays off while they are built (each full pass walks all ~440k objects
-    of torch, transformers and numba to find ~8k cycles and no memory: 0.3-0.5 s of a 3.4 s `codespec generate`),
-    then freezes them out of every later pass (a served request's collections walk only what requests made)."""
-    if not OWN_PROCESS:  # a caller's process (tests, scripts) keeps its collector as it was
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def run_generate(args) -> int:

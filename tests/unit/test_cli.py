@@ -191,12 +191,12 @@ def test_lifelong_heap_freezes_only_the_commands_own_process(monkeypatch, own_pr
     collector runs again after, also when the load fails."""
     import gc
 
-    from codespec.cli import commands
+    from codespec.cli import memory
 
-    monkeypatch.setattr(commands, "OWN_PROCESS", own_process)
+    monkeypatch.setattr(memory, "OWN_PROCESS", own_process)
     frozen = gc.get_freeze_count()
     try:
-        with pytest.raises(CodespecError), commands.lifelong_heap():
+        with pytest.raises(CodespecError), memory.lifelong_heap():
             assert gc.isenabled() is not own_process
             raise CodespecError("the load failed")
         assert gc.isenabled()
