@@ -22,6 +22,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -112,7 +113,8 @@ class Keeper:
     with its header and renamed over the old copy (`finish`: a load never maps half a file). A weight written is
     given back mapped from the file, as a later load maps it: the packed arrays go, and a first load holds what a
     later one holds (a 1.7B Q4_K_M's first-load peak RSS: 2,151-2,231 -> 1,864-2,041 MB). One that cannot be written
-    (a read-only or full disk) keeps nothing, and the load goes on with the arrays it packed."""
+    (a read-only or full disk) keeps nothing, and the load goes on with the arrays it packed; one never finished (a
+    load that failed half-way) is removed when the Keeper goes, or at the process's exit, not a day later."""
 
     def __init__(self, gguf: Path, isa: str, scale: float):
         self.gguf, self.entries, self.end, self.file, self.lock = gguf, {}, 0, None, threading.Lock()
@@ -124,6 +126,7 @@ class Keeper:
                 return  # (the copy holds at most ~1.5x the file) not worth half of what is left of the disk
             self.partial = self.path.with_suffix(f".{os.getpid()}-{id(self)}.partial")
             self.file = open(self.partial, "w+b")  # noqa: SIM115 (open until finish or abandon)
+            self.discard = weakref.finalize(self, _discard, self.file, self.partial)
         except OSError:
             self.file = None
 
@@ -166,6 +169,7 @@ class Keeper:
             self.file.truncate(self.end + len(header) + 8)
             self.file.close()
             self.partial.replace(self.path)
+            self.discard.detach()
             self.file = None
         except OSError:
             self.abandon()
@@ -174,9 +178,14 @@ class Keeper:
     def abandon(self) -> None:
         """Keep nothing (a failed write, or a load that stopped)."""
         if self.file is not None:
-            self.file.close()
             self.file = None
-            self.partial.unlink(missing_ok=True)
+            self.discard()
+
+
+def _discard(file, partial: Path) -> None:
+    """A copy never finished: closed and removed."""
+    file.close()
+    partial.unlink(missing_ok=True)
 
 
 def save(gguf: Path, isa: str, scale: float, packed: list[tuple]) -> None:

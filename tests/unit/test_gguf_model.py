@@ -197,6 +197,34 @@ def test_a_second_load_maps_the_q8_tiles_copy_the_first_kept_and_gives_the_same_
     assert len(reads) > 1 and torch.equal(again, changed) and not list(tmp_path.glob("**/*.partial"))
 
 
+@pytest.mark.needs_kernels("q8 block tiles")
+def test_a_first_load_that_fails_half_way_leaves_no_half_written_copy(tmp_path, monkeypatch):
+    """The copy a first load writes as it packs (repacked.Keeper) is removed when a tensor cannot be read half-way
+    through the file (not left for a day: a 7B's is ~5 GB); the next load packs and keeps a whole one."""
+    import gc
+
+    from codespec.forward.kernels import block_tiles
+
+    monkeypatch.setenv("CODESPEC_HOME", str(tmp_path / "home"))
+    _, loaded, _ = direct(tmp_path, k_quant_model("llama"), projections=q4_k_m)
+    read, reads = block_tiles.Blocks.read, []
+
+    def failing(tensor, rows=None):
+        reads.append(tensor.name)
+        if len(reads) > 5:
+            raise CodespecError(f"cannot read {tensor.name}")
+        return read(tensor, rows)
+
+    monkeypatch.setattr(block_tiles.Blocks, "read", failing)
+    with pytest.raises(CodespecError, match="cannot read"):
+        forward_path(loaded, invariant=True, activations="q8")
+    gc.collect()  # (the failed forward, and its Keeper, in the exception's frames)
+    assert len(reads) > 5 and not list((tmp_path / "home").glob("**/*.partial"))
+    monkeypatch.setattr(block_tiles.Blocks, "read", read)
+    forward_path(loaded, invariant=True, activations="q8")
+    assert [copy.suffix for copy in (tmp_path / "home" / "repacked").iterdir()] == [".bin"]
+
+
 def test_loading_the_default_model_directly_imports_neither_transformers_models_nor_a_c_parser():
     """What a second `codespec generate` spends before its first token: transformers' table of every model (0.45 s to
     import) is for models it converts, and cffi's C parser (0.16 s, built by numba's cffi support the first time it
