@@ -9,7 +9,7 @@ import sys
 
 from ..config import DEFAULT_MODEL, ModelConfig
 from ..errors import CodespecError
-from .memory import lifelong_heap
+from .memory import lifelong_heap, return_freed_memory
 from .options import MODEL_FLAGS, build_parser, served_names, server_config, settings_from_args
 
 
@@ -89,8 +89,6 @@ def run_ngram_cache(args) -> int:
 def run_lsp(args) -> int:
     from lsp.server import serve
 
-    from .memory import return_freed_memory
-
     return_freed_memory()  # a long-running process: freed buffers go back to the system (memory.py)
 
     tcp = None
@@ -136,8 +134,6 @@ def run_serve(args) -> int:
         except ImportError as exc:
             raise CodespecError(f"--replicas needs Ray Serve: pip install 'codespec[replicas]' ({exc})") from None
         return run_replicas(args)
-    from .memory import return_freed_memory
-
     return_freed_memory()  # a long-running process: freed buffers go back to the system (memory.py)
 
     model_config, spec, params = settings_from_args(args)

@@ -186,8 +186,8 @@ def test_a_setting_out_of_range_cannot_be_made():
 
 @pytest.mark.parametrize("own_process", [False, True])
 def test_lifelong_heap_freezes_only_the_commands_own_process(monkeypatch, own_process):
-    """`codespec generate` and `serve` build their imports and engine with the cyclic collector off and then freeze
-    them out of later passes; a caller's process (these tests) keeps its collector as it was. Either way the
+    """`codespec generate`, `serve` and `lsp` build their imports and engine with the cyclic collector off and then
+    freeze them out of later passes; a caller's process (these tests) keeps its collector as it was. Either way the
     collector runs again after, also when the load fails."""
     import gc
 
