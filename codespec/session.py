@@ -169,10 +169,12 @@ class Session:
         count = min(common_prefix(source.history, prompt), source.cached, len(prompt) - 1)
         if self.length or count <= 0 or not hasattr(source.cache, "keys") or not hasattr(self.cache, "reserve"):
             return 0
-        self.cache.reserve(count)
+        self.cache.reserve(max(count, getattr(source.cache, "capacity", count)))  # room to go on as the source did
         self.cache.keys[:, :, :count] = source.cache.keys[:, :, :count]
         self.cache.values[:, :, :count] = source.cache.values[:, :, :count]
         self.cache.length = count
+        if hasattr(self.cache, "follow"):
+            self.cache.follow(source.cache, count)
         self.append(source.history[:count].tolist())
         return count
 

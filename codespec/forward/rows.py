@@ -3,6 +3,7 @@ Every path (lean.py, graphs.py) and the kernels take these."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +36,9 @@ class StaticCache:
         self.values = torch.zeros(self.shape, dtype=dtype, device=device)
         self.length = 0
         self.laid = None  # prompt_attention.Laid: the keys and values as its tiles read them, while a prompt runs
+        self._leader: Optional[weakref.ref] = None  # a cache whose first _shared positions hold these bits too
+        self._shared = 0
+        self._followers: weakref.WeakSet = weakref.WeakSet()  # caches that read a prefix from this one
 
     @property
     def capacity(self) -> int:
@@ -60,6 +64,24 @@ class StaticCache:
         """Positions from `position` on are rewritten (a crop, or keys and values moved there)."""
         if self.laid is not None:
             self.laid.changed(position)
+        self._shared = min(self._shared, position)
+        for follower in list(self._followers):  # what they read from here is no longer theirs past it
+            follower._shared = min(follower._shared, position)
+
+    def follow(self, leader: "StaticCache", count: int) -> None:
+        """This cache's first `count` positions were copied from `leader`'s (Session.fork): until either rewrites
+        one of them (`changed`), the attention kernel may read them from the leader, so that alternatives of one
+        prompt stream one copy of its keys and values, not one each."""
+        if leader.shape[0:2] != self.shape[0:2] or leader.keys.dtype != self.keys.dtype or leader is self:
+            return
+        self._leader, self._shared = weakref.ref(leader), count
+        leader._followers.add(self)
+
+    def shared_prefix(self) -> Optional[tuple["StaticCache", int]]:
+        """(the leader, positions to read from it: a multiple of 16, within both lengths), or None."""
+        leader = self._leader() if self._leader is not None else None
+        count = min(self._shared, self.length, leader.length if leader is not None else 0) // 16 * 16
+        return (leader, count) if count > 0 else None
 
     @property
     def nbytes(self) -> int:

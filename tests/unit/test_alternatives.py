@@ -75,3 +75,32 @@ def test_streamed_greedy_alternatives_are_one_stream_under_each_index(server):
         pieces[event["index"]] += event["content"]
     assert pieces == {0: whole["content"], 1: whole["content"], 2: whole["content"]}
     assert sorted(event["index"] for event in events if event["stop"]) == [0, 1, 2]
+
+
+def test_alternatives_read_the_prompts_keys_from_one_copy_and_write_what_each_seed_writes_alone(monkeypatch):
+    """float32 on the CPU (the attention kernel's path), a prompt of some 200 tokens: the other alternatives read the
+    copied prompt's keys and values from the first one's cache (`StaticCache.shared_prefix`) and write, seed by seed,
+    the text a request alone writes from its own cache."""
+    import torch
+
+    from codespec.config import SpecConfig
+    from codespec.engine import Engine
+    from codespec.forward.kernels import attention
+    from tests.tiny import EOS, tiny_model, tiny_tokenizer
+
+    engine = Engine(tiny_model(dtype=torch.float32), tiny_tokenizer(), SpecConfig(), eos_token_ids=frozenset({EOS}))
+    shared = []
+    original = attention.make_table
+    monkeypatch.setattr(attention, "make_table", lambda *args: shared.append(original(*args)[:, 11].max().item())
+                        or original(*args))
+    body = {"prompt": PROMPT * 10, "n_predict": 24, "cache_prompt": False, "temperature": 1.0, "spec": "none",
+            "n_probs": 2}  # (the tiny model's text hardly depends on attention; its probabilities' bits do)
+    with tiny_client(engine) as client:
+        together = client.post("/completion", json={**body, "seed": 5, "n_cmpl": 3}).json()
+        assert max(shared) >= 160  # the alternatives past the first read the prompt's keys from its cache
+        shared.clear()
+        for index in range(3):
+            alone = client.post("/completion", json={**body, "seed": 5 + index}).json()
+            assert together[index]["content"] == alone["content"]
+            assert together[index]["completion_probabilities"] == alone["completion_probabilities"]
+        assert max(shared) == 0

@@ -183,3 +183,58 @@ def test_a_pairs_query_rows_split_between_threads_give_the_bits_of_one_task(dtyp
         assert torch.equal(out, outs[0])
     decoding = attention.make_table([Rows(cache, [0], 1)], [0], heads)  # 3 rows a pair: whole, keys read once each
     assert attention.parts(decoding.numpy(), kv_heads, heads // kv_heads, 2) == 1
+
+
+def _filled(layers: int, kv_heads: int, dim: int, dtype, capacity: int = 1024) -> StaticCache:
+    """A cache of random keys and values (q8: random floats quantised as the kernel writes them)."""
+    cache = StaticCache(layers, kv_heads, dim, capacity, dtype, "cpu")
+    if dtype == torch.int8:
+        for layer in range(layers):
+            attention.write_q8(cache.keys[layer].numpy(), cache.values[layer].numpy(),
+                               *(torch.randn(capacity, kv_heads, dim).numpy() for _ in range(2)), 0)
+    else:
+        cache.keys.normal_()
+        cache.values.normal_()
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+def test_a_forked_cache_reads_its_prompt_from_the_source_and_gets_the_bits_of_its_own_copy(dtype):
+    """Alternatives of one prompt (Session.fork) copy its keys and values; the kernel reads the copied positions (a
+    multiple of 16) from the source, which other tasks of the layer then find in cache, and the rest from the fork's
+    own cache: every row's attention has the bits it has when the fork reads only its own copy. A rewrite of either
+    cache below the copied count (`changed`) shortens what is read from the source."""
+    if dtype == torch.int8 and attention.attention_tiles.q8_instruction_set() is None:
+        pytest.fail("this CPU runs no q8 cache attention")  # (every CPU CI runs on has AVX2)
+    torch.manual_seed(4)
+    layers, heads, kv_heads, dim, prompt = 2, 9, 3, 64, 700
+    source = _filled(layers, kv_heads, dim, dtype)
+    source.length = prompt + 5  # the source went on past the prompt with its own tokens
+    fork, alone = StaticCache(layers, kv_heads, dim, 1024, dtype, "cpu"), _filled(layers, kv_heads, dim, dtype)
+    alone.keys[:, :, :prompt] = source.keys[:, :, :prompt]  # the same copy, read only from itself
+    alone.values[:, :, :prompt] = source.values[:, :, :prompt]
+    fork.keys.copy_(alone.keys)
+    fork.values.copy_(alone.values)
+    fork.follow(source, prompt)
+    for length, count in ((prompt, 3), (prompt + 9, 1), (prompt + 20, 8)):
+        fork.length = alone.length = length
+        assert fork.shared_prefix() == (source, prompt // 16 * 16)
+        outs = []
+        for cache in (fork, alone):  # beside two rows of the source's own
+            torch.manual_seed(length)
+            qk = torch.randn(2 + count, heads + kv_heads, dim) / dim ** 0.5
+            v = torch.randn(2 + count, kv_heads, dim)
+            table = attention.make_table([Rows(source, [0] * 2, 2), Rows(cache, [0] * count, count)], [0, 2], heads)
+            assert table[1, 11].item() == (prompt // 16 * 16 if cache is fork else 0)
+            width = attention.padded_width(max(length + count, source.length + 2))
+            out = torch.full((2 + count, heads, dim), float("nan"))
+            torch.ops.codespec.cached_attention(qk, v, out, table, 1, heads, kv_heads, heads * (2 + count), width)
+            outs.append(out[2:])
+        assert not outs[0].isnan().any()
+        assert torch.equal(outs[0], outs[1])
+    source.crop(250)  # the source rewrote its prompt from position 250: the fork reads 240 positions from it
+    assert fork.shared_prefix() == (source, 240)
+    fork.crop(100)
+    assert fork.shared_prefix() == (source, 96)
+    fork.changed(10)
+    assert fork.shared_prefix() is None

@@ -46,8 +46,10 @@ from .native import call
 
 FEW_ROWS = 16  # sequences with at most this many rows in a forward come here (measured, 30 layers at 1,000 and
 # 2,600 cached tokens: up to 16 rows the kernel beats PyTorch's attention; at 32 and 64 rows it does not)
-COLUMNS = 8  # the table: key address, value address, capacity, first row, start, count, first score row, bytes
-# per cache element (4: float32, 2: float16, --cache-type f16, 1: q8, whose rows hold dim integers and a scale)
+COLUMNS = 12  # the table: key address, value address, capacity, first row, start, count, first score row, bytes
+# per cache element (4: float32, 2: float16, --cache-type f16, 1: q8, whose rows hold dim integers and a scale),
+# then a shared prefix (StaticCache.shared_prefix): another cache's key address, value address and capacity, and the
+# count of positions read from it (a multiple of 16; 0: none)
 
 
 @intrinsic
@@ -73,14 +75,19 @@ _bits = _bitcast(types.float32, types.int32)  # a float32's bits, as an int32
 
 
 @numba.njit(inline="always", cache=True)
+def _row_bytes(itemsize, dim):
+    """Bytes of one cached key or value of a head (q8: dim int8 and a float32 scale)."""
+    return dim * itemsize if itemsize > 1 else dim + 4
+
+
+@numba.njit(inline="always", cache=True)
 def _task(table, task, layer, kv_heads, group, dim):
     """A kernel task's (sequence s, KV head h): its first row in qk/out, start position, row count, query rows
     (count x group), first score row, and the byte offset of this layer and head in its caches."""
     s, h = task // kv_heads, task % kv_heads
     capacity, first, start, count = table[s, 2], table[s, 3], table[s, 4], table[s, 5]
     rows = count * group
-    itemsize = table[s, 7]
-    row_bytes = dim * itemsize if itemsize > 1 else dim + 4  # q8: dim int8 and a float32 scale
+    row_bytes = _row_bytes(table[s, 7], dim)
     return (s, h, first, start, count, rows, table[s, 6] + h * rows, (layer * kv_heads + h) * capacity * row_bytes)
 
 
@@ -177,7 +184,12 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels,
     over the keys up to its position (attention_tiles' softmax, whose sums' order no inlining can change), and adds
     the rows' weighted values into out [rows, heads, dim]. Each row goes through the same instructions whichever
     part it falls in. Score rows of sequence s, KV head h: table[s, 6] + h * count * group + i * group + g,
-    scores.shape[1] (a multiple of 16) wide."""
+    scores.shape[1] (a multiple of 16) wide.
+    A sequence with a shared prefix (table[s, 11] positions, a multiple of 16) reads those keys and values from the
+    other cache (the same bits: StaticCache.shared_prefix), the rest from its own: its scores are key by key, and its
+    values tile goes on from the prefix's sums (attention_tiles.values_ir), so each row gets the bits it gets from
+    its own cache alone. Forked alternatives read their prompt's keys from one copy, which the other threads' tasks
+    of the same layer then find in the last-level cache."""
     dim = qk.shape[2]
     group = heads // kv_heads
     width = scores.shape[1]
@@ -194,17 +206,25 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels,
         end = start + count
         padded = (end + 15) // 16 * 16
         keys_at, values_at, itemsize = table[s, 0] + offset, table[s, 1] + offset, table[s, 7]
+        row_bytes = _row_bytes(itemsize, dim)
+        shared = table[s, 11]  # keys 0..shared from the other cache, the rest from this one's
+        shared_offset = (layer * kv_heads + h) * table[s, 10] * row_bytes
+        shared_keys, shared_values = table[s, 8] + shared_offset, table[s, 9] + shared_offset
         tiles = kernels[0 if itemsize == 4 else (1 if itemsize == 2 else 2)]
         q = np.empty((high - low, dim), dtype=np.float32)
         for r in range(low, high):
             q[r - low] = qk[first + r // group, h * group + r % group]
+        rows_at = q.ctypes.data
         if itemsize == 1:  # q8: the query rows rounded to 8 bits too, each with its scale and 128 x its sum
             packed = np.empty((high - low, dim + 8), dtype=np.int8)
             for r in range(high - low):
                 _store_bits(packed[r], dim + 4, 128 * _quantize(q[r], packed[r], False))
-            call(tiles[0], packed.ctypes.data, high - low, keys_at, padded, scores[base + low :].ctypes.data, width)
-        else:
-            call(tiles[0], q.ctypes.data, high - low, keys_at, padded, scores[base + low :].ctypes.data, width)
+            rows_at = packed.ctypes.data
+        scores_at = scores[base + low :].ctypes.data
+        if shared:
+            call(tiles[0], rows_at, high - low, shared_keys, shared, scores_at, width)
+        call(tiles[0], rows_at, high - low, keys_at + shared * row_bytes, padded - shared, scores_at + 4 * shared,
+             width)
         for r in range(low, high):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
             call(tiles[1], scores[base + r :].ctypes.data, start + r // group + 1, weights[base + r :].ctypes.data,
                  padded, 0, 0)
@@ -213,7 +233,11 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels,
         r = low
         while r < high:  # up to `most` rows share each value row read
             take = min(most, high - r)
-            call(tiles[1 + take], weights[base + r :].ctypes.data, width, values_at, end, sums.ctypes.data, 0)
+            weights_at = weights[base + r :].ctypes.data
+            if shared:
+                call(tiles[1 + take], weights_at, width, shared_values, shared, sums.ctypes.data, 0)
+            call(tiles[1 + take], weights_at + 4 * shared, width, values_at + shared * row_bytes, end - shared,
+                 sums.ctypes.data, shared)
             for i in range(take):
                 out[first + (r + i) // group, h * group + (r + i) % group, :] = sums[i]
             r += take
@@ -433,8 +457,11 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
             capabilities.check("q8 cache attention")  # compiled only where it runs: this names what is missing)
         if cache.length + len(r.ids) > cache.capacity:  # the kernel writes the rows' keys there: past the end corrupts
             raise ValueError(f"{len(r.ids)} rows at position {cache.length} overflow a cache of {cache.capacity}")
+        shared = cache.shared_prefix() if hasattr(cache, "shared_prefix") else None
+        other, count = shared if shared is not None else (cache, 0)
         entries.append([cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, first, cache.length,
-                        len(r.ids), score_row, cache.keys.element_size()])
+                        len(r.ids), score_row, cache.keys.element_size(), other.keys.data_ptr(),
+                        other.values.data_ptr(), other.capacity, count])
         score_row += heads * len(r.ids)
     return torch.tensor(entries, dtype=torch.int64).reshape(-1, COLUMNS)
 
@@ -450,7 +477,7 @@ def ready() -> bool:
     values = torch.randn(1, 1, 16, 16)
     qkv = torch.randn(2, 3, 16)
     out = torch.empty(2, 1, 16)
-    entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 3, 2, 0, 4]], dtype=torch.int64)
+    entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 3, 2, 0, 4, 0, 0, 0, 0]], dtype=torch.int64)
     with compiling_notice():
         cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 16)
         move_cached(keys, values, 4, 1, 3, torch.ones(2, dtype=torch.complex128))

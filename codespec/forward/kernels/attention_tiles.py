@@ -33,8 +33,8 @@ import functools
 import numpy as np
 
 from . import capabilities
-from .ir import (EXP_DECLARATIONS, FMA, SOFTMAX_DECLARATIONS, VECTOR, add_down, lanes, running_sums, softmax_ir,
-                 stored_sums)
+from .ir import (EXP_DECLARATIONS, FMA, SOFTMAX_DECLARATIONS, VECTOR, add_down, initial_sums, lanes, running_sums,
+                 softmax_ir, stored_sums)
 from .native import compile_ir
 
 DECLARATIONS = EXP_DECLARATIONS + SOFTMAX_DECLARATIONS  # (FMA's among them)
@@ -237,15 +237,17 @@ def scores_q8_ir(dim: int, isa: str = "vnni") -> str:
 
 
 def values_ir(dim: int, rows: int, itemsize: int) -> str:
-    """@values{itemsize}_{rows}(w, width, v, count, out, unused): out[r] = sum_j w[r * width + j] v[j] for `rows` rows
+    """@values{itemsize}_{rows}(w, width, v, count, out, more): out[r] = sum_j w[r * width + j] v[j] for `rows` rows
     and j < count, in order of j (v [count, dim] of the cache's elements, for q8 each row's integers and scale; out
-    [rows, dim] float32)."""
+    [rows, dim] float32). With `more` not 0 the sums go on from out's: two calls over keys 0..n and n..count (from
+    two caches: attention.py's shared prefixes) add exactly what one call over 0..count adds, in the same order."""
     scalar, _ = ELEMENTS[itemsize]
     chunks = dim // 16
     text = (f"define void @values{itemsize}_{rows}(ptr noalias %w, i64 %width, ptr noalias %v, i64 %count, "
-            "ptr noalias %out, i64 %unused) {\nentry:\n  %none = icmp eq i64 %count, 0\n"
+            "ptr noalias %out, i64 %more) {\nentry:\n" + initial_sums(rows, chunks, dim, "%more")
+            + "  %none = icmp eq i64 %count, 0\n"
             "  br i1 %none, label %store, label %loop\nloop:\n  %j = phi i64 [ 0, %entry ], [ %j.next, %loop ]\n")
-    text += running_sums(rows, chunks, "%loop")
+    text += running_sums(rows, chunks, "%loop", "i")
     text += f"  %vo = mul i64 %j, {row_bytes(dim, itemsize) // itemsize}\n"
     if itemsize == 1:
         text += "  %vrow = getelementptr i8, ptr %v, i64 %vo\n" + _scale("vs", "%vrow", dim)
@@ -261,7 +263,7 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
             text += f"  %a{r}_{c}.next = call {VECTOR} {FMA}({VECTOR} %wv{r}, {VECTOR} %vf{c}, {VECTOR} %a{r}_{c})\n"
     text += ("  %j.next = add i64 %j, 1\n  %done = icmp eq i64 %j.next, %count\n"
              "  br i1 %done, label %store, label %loop\nstore:\n")
-    return text + stored_sums(rows, chunks, dim, "%loop")
+    return text + stored_sums(rows, chunks, dim, "%loop", "i")
 
 
 def q8_instruction_set() -> str | None:

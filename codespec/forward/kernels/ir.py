@@ -175,17 +175,34 @@ def add_down(sums: list[str], vector: str, add: str, prefix: str, codes: list[st
     return text, sums[0]
 
 
-def running_sums(rows: int, chunks: int, loop: str) -> str:
-    """The head of a `values` tile's loop: each row's 16-lane sums %a{r}_{c}, zero on entry, %a{r}_{c}.next after
-    each step of block `loop`."""
-    return "".join(f"  %a{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
+def running_sums(rows: int, chunks: int, loop: str, start: str = "") -> str:
+    """The head of a `values` tile's loop: each row's 16-lane sums %a{r}_{c}, zero on entry (or, with `start`, the
+    entry block's %{start}{r}_{c}: initial_sums), %a{r}_{c}.next after each step of block `loop`."""
+    return "".join(f"  %a{r}_{c} = phi {VECTOR} [ {_initial(start, r, c)}, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
                    for r in range(rows) for c in range(chunks))
 
 
-def stored_sums(rows: int, chunks: int, dim: int, loop: str) -> str:
-    """The end of a `values` tile: each row's 16-lane sums %a{r}_{c}.next (from block `loop`; zero when the loop
-    never ran) stored into out [rows, dim], and the return."""
-    text = "".join(f"  %f{r}_{c} = phi {VECTOR} [ zeroinitializer, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
+def _initial(start: str, r: int, c: int) -> str:
+    return f"%{start}{r}_{c}" if start else "zeroinitializer"
+
+
+def initial_sums(rows: int, chunks: int, dim: int, flag: str, start: str = "i") -> str:
+    """For the entry block of a `values` tile that may go on from earlier sums: %{start}{r}_{c} = out's sums [rows,
+    dim] where the i64 `flag` is not 0, else zero (out is read either way: it must be a buffer of that size)."""
+    text = f"  %{start}.on = icmp ne i64 {flag}, 0\n"
+    for r in range(rows):
+        for c in range(chunks):
+            n = f"{start}{r}_{c}"
+            text += (f"  %{n}.p = getelementptr float, ptr %out, i64 {r * dim + c * 16}\n"
+                     f"  %{n}.l = load {VECTOR}, ptr %{n}.p, align 4\n"
+                     f"  %{n} = select i1 %{start}.on, {VECTOR} %{n}.l, {VECTOR} zeroinitializer\n")
+    return text
+
+
+def stored_sums(rows: int, chunks: int, dim: int, loop: str, start: str = "") -> str:
+    """The end of a `values` tile: each row's 16-lane sums %a{r}_{c}.next (from block `loop`; the initial sums, zero
+    or `start`'s (running_sums), when the loop never ran) stored into out [rows, dim], and the return."""
+    text = "".join(f"  %f{r}_{c} = phi {VECTOR} [ {_initial(start, r, c)}, %entry ], [ %a{r}_{c}.next, {loop} ]\n"
                    for r in range(rows) for c in range(chunks))
     text += "".join(f"  %so{r}_{c} = getelementptr float, ptr %out, i64 {r * dim + c * 16}\n"
                     f"  store {VECTOR} %f{r}_{c}, ptr %so{r}_{c}, align 4\n" for r in range(rows) for c in range(chunks))

@@ -456,7 +456,7 @@ def ready() -> bool:
     weights = Weights([torch.ones(32)] * 2, [None], [torch.ones(64, 32), square, torch.ones(64, 32), square],
                       torch.ones(32), torch.ones(4, 32))
     keys, values = torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16, 16)
-    table = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 0, 1, 0, 4]], dtype=torch.int64)
+    table = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 0, 1, 0, 4, 0, 0, 0, 0]], dtype=torch.int64)
     with attention.compiling_notice():
         forward(weights, torch.ones(1, 32), torch.ones(1, 1, 8, dtype=torch.complex64), table, 2, 16, [], [0], 1e-5,
                 2, 1, 16)
