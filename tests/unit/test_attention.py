@@ -152,12 +152,14 @@ def test_rows_past_the_end_of_a_cache_are_refused_before_the_kernel_writes_them(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_pairs_query_rows_split_between_threads_give_the_bits_of_one_task(dtype):
+@pytest.mark.parametrize("count", [8, 1])
+def test_a_pairs_query_rows_split_between_threads_give_the_bits_of_one_task(dtype, count):
     """One sequence's 3 KV heads on 2 threads would leave a thread idle a third of the time: `_attend` splits each
-    (sequence, KV head)'s query rows into parts where the pairs do not share out evenly; every row gets the same bits
-    as when its pair is one task, for any number of parts, and the new keys and values are written once."""
+    (sequence, KV head)'s query rows into parts where the pairs do not share out evenly (8 rows a sequence: every
+    pair; decoding's 1: the pair left over, a part at the end of each thread's run); every row gets the same bits as
+    when its pair is one task, for any number of parts, and the new keys and values are written once."""
     torch.manual_seed(2)
-    heads, kv_heads, dim, start, count = 9, 3, 64, 700, 8
+    heads, kv_heads, dim, start = 9, 3, 64, 700
     rows = heads * count
     qk = torch.randn(count, heads + kv_heads, dim) / dim ** 0.5
     v = torch.randn(count, kv_heads, dim)
@@ -170,8 +172,14 @@ def test_a_pairs_query_rows_split_between_threads_give_the_bits_of_one_task(dtyp
         cache.values.normal_()
         cache.length = start
         table = attention.make_table([Rows(cache, [0] * count, count)], [0], heads)
-        assert attention.parts(table.numpy(), kv_heads, heads // kv_heads, threads) == (1 if threads in (1, 3) else
-                                                                                        threads)
+        tasks = attention.schedule(table.numpy(), kv_heads, heads // kv_heads, threads).tolist()
+        if threads in (1, 3):
+            assert tasks == [[pair, 0, 1] for pair in range(kv_heads)]
+        elif count == 8:
+            assert tasks == [[pair, part, threads] for pair in range(kv_heads) for part in range(threads)]
+        elif threads == 2:
+            assert tasks == [[0, 0, 1], [2, 0, 2], [1, 0, 1], [2, 1, 2]]
+        assert sorted(map(tuple, tasks)) == sorted(set(map(tuple, tasks)))  # no part twice
         scores, weights = (torch.empty(rows, width) for _ in range(2))
         out = torch.full((count, heads, dim), float("nan"))
         attention._attend(qk.numpy(), v.numpy(), table.numpy(), 0, heads, kv_heads, scores.numpy(), weights.numpy(),
@@ -181,8 +189,6 @@ def test_a_pairs_query_rows_split_between_threads_give_the_bits_of_one_task(dtyp
     assert not outs[0].isnan().any()
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
-    decoding = attention.make_table([Rows(cache, [0], 1)], [0], heads)  # 3 rows a pair: whole, keys read once each
-    assert attention.parts(decoding.numpy(), kv_heads, heads // kv_heads, 2) == 1
 
 
 def _filled(layers: int, kv_heads: int, dim: int, dtype, capacity: int = 1024) -> StaticCache:

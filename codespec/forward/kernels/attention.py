@@ -163,23 +163,42 @@ SPLIT_ROWS = 12  # a (sequence, KV head) with at least this many query rows may 
 
 
 @numba.njit(fastmath=False, cache=True)
-def parts(table, kv_heads, group, threads):
-    """How many parts `_attend` splits each (sequence, KV head)'s query rows into: `threads` where the pairs do not
-    share out evenly between the threads and the longest has SPLIT_ROWS rows or more (one sequence of the default
-    model: 3 KV heads on 2 threads, one thread did two heads' work while the other waited: 16 rows at 660 cached
-    keys, 6.6 -> 5.0 ms a forward), else 1."""
+def schedule(table, kv_heads, group, threads):
+    """`_attend`'s tasks in order, each a part of a (sequence, KV head) pair's query rows: [tasks, 3] = (pair, part,
+    parts). numba's parallel loop hands each thread an equal run of consecutive tasks, so the pairs are shared out
+    evenly: where they do not divide between the threads, every pair is split into `threads` parts if the longest
+    has SPLIT_ROWS rows or more (one sequence of the default model: 3 KV heads on 2 threads, one thread did two
+    heads' work while the other waited: 16 rows at 660 cached keys, 6.6 -> 5.0 ms a forward); with fewer rows
+    (decoding) only the pairs left over are, each thread's run ending with one part of each (decoding one sequence
+    at 1,500 cached keys: the threads' shares 2 : 1 pairs -> 1.5 : 1.5, each part reading the pair's keys)."""
     most = 0
     for s in range(table.shape[0]):
         most = max(most, table[s, 5] * group)
     pairs = table.shape[0] * kv_heads
-    return threads if pairs % threads and most >= SPLIT_ROWS else 1
+    over = pairs % threads
+    if over and most >= SPLIT_ROWS:
+        tasks = np.empty((pairs * threads, 3), dtype=np.int64)
+        for task in range(pairs * threads):
+            tasks[task, 0], tasks[task, 1], tasks[task, 2] = task // threads, task % threads, threads
+        return tasks
+    each = pairs // threads  # whole pairs a thread takes
+    tasks = np.empty((pairs + over * (threads - 1), 3), dtype=np.int64)
+    task = 0
+    for thread in range(threads):
+        for pair in range(thread * each, (thread + 1) * each):
+            tasks[task, 0], tasks[task, 1], tasks[task, 2] = pair, 0, 1
+            task += 1
+        for left in range(over):  # (none where the pairs divide evenly)
+            tasks[task, 0], tasks[task, 1], tasks[task, 2] = threads * each + left, thread, threads
+            task += 1
+    return tasks
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
 def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels, threads):
     """Attention of every (sequence, KV head) in `table` at `layer`: writes the sequences' new keys (from qk [rows,
     heads + kv_heads, dim]) and values (v [rows, kv_heads, dim]) into their caches, then, a part of a pair's query
-    rows a task (`parts`, for `threads` threads), scores each row against the keys (attention_tiles' tile, 16 keys
+    rows a task (`schedule`, for `threads` threads), scores each row against the keys (attention_tiles' tile, 16 keys
     at a time: keys are read up to the next multiple of 16, which a cache's capacity holds), takes each row's softmax
     over the keys up to its position (attention_tiles' softmax, whose sums' order no inlining can change), and adds
     the rows' weighted values into out [rows, heads, dim]. Each row goes through the same instructions whichever
@@ -197,10 +216,11 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels,
         s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim)
         _write(table[s, 0] + offset, table[s, 1] + offset, table[s, 7], qk[first : first + count, heads + h],
                v[first : first + count, h], start, dim)
-    split = parts(table, kv_heads, group, threads)
-    for task in prange(table.shape[0] * kv_heads * split):
-        s, h, first, start, count, rows, base, offset = _task(table, task // split, layer, kv_heads, group, dim)
-        low, high = rows * (task % split) // split, rows * (task % split + 1) // split  # this part's query rows
+    tasks = schedule(table, kv_heads, group, threads)
+    for task in prange(tasks.shape[0]):
+        pair, part, split = tasks[task, 0], tasks[task, 1], tasks[task, 2]
+        s, h, first, start, count, rows, base, offset = _task(table, pair, layer, kv_heads, group, dim)
+        low, high = rows * part // split, rows * (part + 1) // split  # this part's query rows
         if low == high:
             continue
         end = start + count
