@@ -10,7 +10,7 @@ from codespec.decode import generate_steps
 from codespec.drafters import Chain
 from codespec.forward import forward_path
 from codespec.drafters.none import NoDrafter
-from codespec.sampling import Sampler, verify_rejection, verify_sampled_exact, warp
+from codespec.sampling import Sampler, WarpedRows, draw, verify_rejection, verify_sampled_exact, warp
 from codespec.stats import GenerationStats
 from tests.tiny import EOS, FixedContinuation
 
@@ -45,6 +45,24 @@ def first_token_counts(trials: int, verify) -> np.ndarray:
     for _ in range(trials):
         counts[verify(generator)] += 1
     return counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=40, top_p=0.99),
+                                    SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=1.3, top_k=5, top_p=0.5)])
+def test_a_row_drawn_from_the_kept_tokens_is_the_token_drawn_from_the_whole_vocabulary(params):
+    """WarpedRows.draw takes the tokens top-k and top-p keep, in token order, and inverts their cumulative sum at
+    the same one uniform draw as draw() over the whole warped row: the same token for every seed."""
+    logits = torch.randn(4, 49152) * 3
+    rows = WarpedRows(logits, params)
+    tokens = set()
+    for seed in range(200):
+        whole, kept = (torch.Generator().manual_seed(seed) for _ in range(2))
+        token = rows.draw(seed % 4, kept)
+        assert token == draw(rows[seed % 4], whole)
+        assert torch.equal(whole.get_state(), kept.get_state())  # one draw each
+        tokens.add(token)
+    assert len(tokens) > 3
 
 
 def test_exact_match_with_a_deterministic_draft_samples_the_target():
