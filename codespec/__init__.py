@@ -32,7 +32,33 @@ def _numba_cache_dir() -> str:
     return str(folder / name)
 
 
+UNUSED_DAYS = 7  # another version's compiled kernels are removed once no process has used them for this long
+
+
+def _tidy_numba_cache(path: str, days: float = UNUSED_DAYS) -> None:
+    """Every version of codespec (every edit of a module that uses numba) compiles its kernels into a folder of its
+    own (~10 MB), and nothing removed the old ones: a checkout that was edited for a few weeks held ~90 (737 MB). Each
+    start marks its own folder as used; the first start of a new version removes the other versions' folders beside
+    it that no start has used for `days` (one still in use elsewhere, in a shared cache, just compiles again)."""
+    import shutil
+    import time
+    from pathlib import Path
+
+    folder = Path(path)
+    try:
+        if folder.is_dir():
+            _os.utime(folder)
+            return
+        cutoff = time.time() - days * 86400
+        for other in folder.parent.glob("numba-*"):
+            if other != folder and other.is_dir() and other.stat().st_mtime < cutoff:
+                shutil.rmtree(other, ignore_errors=True)
+    except OSError:  # (a cache we may not write: nothing to tidy)
+        pass
+
+
 _os.environ.setdefault("NUMBA_CACHE_DIR", _numba_cache_dir())
+_tidy_numba_cache(_os.environ["NUMBA_CACHE_DIR"])
 if "numba" in _sys.modules:  # imported first (a script, a notebook): numba read its settings without
     # that folder, and a stale kernel from its default place next to the sources crashed the first forward
     from numba.core import config as _numba_config

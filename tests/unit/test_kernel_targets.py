@@ -251,3 +251,28 @@ def test_the_portable_modules_compile_for_arm64_and_the_x86_ones_are_never_asked
         assert "smmla" in assembly and "sdot" not in assembly
     if kernel in ("q8 block tiles, neon", "q8 cache attention, sdot"):  # integer sums in sdot, 16 bytes by 16 into 4
         assert "sdot" in assembly  # lanes (Apple's assembly spells it sdot.4s, Linux's sdot v0.4s)
+
+
+def test_the_first_start_of_a_version_removes_other_versions_kernels_unused_for_a_week(tmp_path):
+    """Each version's kernels live in a folder of their own: a start marks its folder as used, and the first start of
+    a new version removes the folders beside it that nothing has used for UNUSED_DAYS."""
+    import os
+    import time
+
+    import codespec
+
+    day = 86400
+    old, recent, current = (tmp_path / name for name in ("numba-old", "numba-recent", "numba-current"))
+    for folder, age in ((old, 9 * day), (recent, 2 * day)):
+        (folder / "kernels").mkdir(parents=True)
+        (folder / "kernels" / "f.nbi").write_bytes(b"x")
+        os.utime(folder, (time.time() - age, time.time() - age))
+    other = tmp_path / "unrelated"
+    other.mkdir()
+    os.utime(other, (time.time() - 30 * day, time.time() - 30 * day))
+    codespec._tidy_numba_cache(str(current))
+    assert not old.exists() and recent.exists() and other.exists()
+    current.mkdir()
+    os.utime(current, (time.time() - 30 * day, time.time() - 30 * day))
+    codespec._tidy_numba_cache(str(current))  # a start of the version whose folder this is: marked as used
+    assert time.time() - current.stat().st_mtime < 60 and recent.exists()
