@@ -477,8 +477,7 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
             capabilities.check("q8 cache attention")  # compiled only where it runs: this names what is missing)
         if cache.length + len(r.ids) > cache.capacity:  # the kernel writes the rows' keys there: past the end corrupts
             raise ValueError(f"{len(r.ids)} rows at position {cache.length} overflow a cache of {cache.capacity}")
-        shared = cache.shared_prefix() if hasattr(cache, "shared_prefix") else None
-        other, count = shared if shared is not None else (cache, 0)
+        other, count = cache.shared_prefix() or (cache, 0)
         entries.append([cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, first, cache.length,
                         len(r.ids), score_row, cache.keys.element_size(), other.keys.data_ptr(),
                         other.values.data_ptr(), other.capacity, count])
