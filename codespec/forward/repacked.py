@@ -31,7 +31,8 @@ import numpy as np
 from ..config import codespec_home
 from .kernels.q8_tiles import Form
 
-VERSION = 3  # of this file's layout (2: K-quant scales factored, q8_tiles.Form.factored; 3: the header last)
+VERSION = 4  # of this file's layout (2: K-quant scales factored, q8_tiles.Form.factored; 3: the header last; 4: AVX2
+# holds five- and six-bit weights as nibbles and planes)
 ALIGN = mmap.ALLOCATIONGRANULARITY  # each array starts at a multiple of this many bytes (where a mapping can)
 SAMPLE = 1 << 16  # bytes read at each end of the GGUF for its stamp
 HEADER_MAX = 1 << 24  # a header longer than this is a damaged one (a 7B model's: ~40 KB)

@@ -39,10 +39,11 @@ MODULES = {
 }
 
 
-VNNI_FORMS = [q8_tiles.Form(True, 1, True, False, 1, 16), q8_tiles.Form(True, 1, True, True, 1),
-              q8_tiles.Form(True, 2, True, True, 2, 32), q8_tiles.Form(True, offset=8),
-              q8_tiles.Form(False, offset=128), q8_tiles.Form(True, 1, True, False, 1, factored=True),
-              q8_tiles.Form(True, 2, True, False, 2, 32, True)]  # nibbles and planes of higher bits (Q5_*, Q6_K); formed minimums
+PLANE_FORMS = [q8_tiles.Form(True, 1, True, False, 1, 16), q8_tiles.Form(True, 1, True, True, 1),
+               q8_tiles.Form(True, 2, True, True, 2, 32), q8_tiles.Form(True, offset=8),
+               q8_tiles.Form(True, 1, True, False, 1, factored=True),
+               q8_tiles.Form(True, 2, True, False, 2, 32, True)]  # nibbles and planes of higher bits (Q5_*, Q6_K); formed minimums
+VNNI_FORMS = PLANE_FORMS + [q8_tiles.Form(False, offset=128)]  # (bytes' m = -128 d: vpdpbusd reads them unsigned)
 
 
 def every_form(isa: str) -> str:
@@ -50,7 +51,7 @@ def every_form(isa: str) -> str:
     prelude = q8_tiles.DECLARATIONS[isa] + q8_tiles.ROUND_DECLARATIONS + q8_tiles.ROUND_IR  # (@round8 once)
     return prelude + "".join(
         q8_tiles.source(form, isa)[0].removeprefix(prelude)
-        for form in FORMS + (VNNI_FORMS if isa == "vnni" else [q8_tiles.Form(True, offset=8)]))
+        for form in FORMS + {"vnni": VNNI_FORMS, "avx2": PLANE_FORMS}.get(isa, [q8_tiles.Form(True, offset=8)]))
 
 
 def no_512_bit_registers(assembly: str) -> bool:

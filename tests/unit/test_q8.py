@@ -107,9 +107,9 @@ def test_the_tiles_hold_float16_scales_where_they_are_float16_values_and_float32
 @pytest.mark.needs_kernels("q8 block tiles")
 @pytest.mark.parametrize("kind", [Type.Q4_0, Type.Q5_0, Type.Q5_1, Type.Q5_K, Type.Q6_K])
 def test_five_and_six_bit_files_multiply_exactly_as_planes_of_bits_and_offsets(kind):
-    """A file's five- and six-bit blocks (Q5_*, Q6_K): on VNNI, nibbles and one or two planes of the higher bits
-    (0.625 and 0.75 bytes a weight), elsewhere bytes; a minimum that is -8, -16 or -32 d is formed in the tile, not
-    read. Against the float64 product of the rounded rows and gguf's own dequantisation, and a row alone gets the
+    """A file's five- and six-bit blocks (Q5_*, Q6_K): on VNNI and AVX2, nibbles and one or two planes of the higher
+    bits (0.625 and 0.75 bytes a weight), on ARM64 bytes; a minimum that is -8, -16 or -32 d is formed in the tile,
+    not read. Against the float64 product of the rounded rows and gguf's own dequantisation, and a row alone gets the
     bits it gets among 19."""
     rng = np.random.default_rng(3)
     raw = quantize(rng.standard_normal((40, 512)).astype(np.float32), kind)
@@ -117,9 +117,9 @@ def test_five_and_six_bit_files_multiply_exactly_as_planes_of_bits_and_offsets(k
     weight = blocks.weight(q8=True)
     planes = {Type.Q5_0: 1, Type.Q5_1: 1, Type.Q5_K: 1, Type.Q6_K: 2}.get(kind, 0)
     isa = q8_tiles.instruction_set()
-    assert blocks.q8_packed(isa)[2].planes == (planes if isa == "vnni" else 0)
-    assert blocks.q8_packed(isa)[2].offset == {Type.Q4_0: 8, Type.Q5_0: 16 if isa == "vnni" else 0,
-                                                Type.Q6_K: 32 if isa == "vnni" else 0}.get(kind, 0)
+    assert blocks.q8_packed(isa)[2].planes == (planes if isa in q8_tiles.PLANES else 0)
+    assert blocks.q8_packed(isa)[2].offset == {Type.Q4_0: 8, Type.Q5_0: 16 if isa in q8_tiles.PLANES else 0,
+                                                Type.Q6_K: 32 if isa in q8_tiles.PLANES else 0}.get(kind, 0)
     x = rng.standard_normal((19, 512)).astype(np.float32)
     together = q8_tiles.linear(x, weight)
     expected = rounded_reference(x) @ quants.dequantize(raw, kind).astype(np.float64).T
@@ -127,6 +127,15 @@ def test_five_and_six_bit_files_multiply_exactly_as_planes_of_bits_and_offsets(k
     for first, count in [(0, 1), (7, 1), (3, 4), (0, 8), (11, 8)]:
         assert np.array_equal(q8_tiles.linear(np.ascontiguousarray(x[first : first + count]), weight),
                               together[first : first + count])
+    # the largest weights a block holds (each block's least value too, so signed blocks are held plus 16 or 32)
+    # against inputs at +-127: the AVX2 tiles add 16-bit sums of several steps, which would saturate past 32,767
+    q, d, m = blocks.integers()
+    q[:4], q[:4, :, 0] = q.max(), q.min()
+    extreme = block_tiles.Blocks.of(blocks.kind, q, d, m, blocks.source, blocks.base)
+    x[:2], x[2:4] = 1.0, -1.0
+    got = q8_tiles.linear(x, extreme.weight(q8=True))
+    expected = rounded_reference(x) @ extreme.values().double().numpy().T
+    assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
 
 
 @pytest.mark.needs_kernels("q8 block tiles")
@@ -167,9 +176,9 @@ def test_k_quant_scales_are_held_as_the_files_integers_and_give_the_bits_of_floa
 
 @pytest.mark.needs_kernels("q8 block tiles")
 def test_a_q_k_v_fused_from_q4_k_and_q6_k_blocks_is_held_in_six_bits_with_factored_scales():
-    """A Q4_K_M file's q, k (Q4_K) and v (Q6_K in some layers) fused into one projection: on VNNI nibbles and two
-    planes with the scales as bytes (0.91 bytes a weight; it was a byte a weight and float32 scales, 1.5), elsewhere
-    bytes with factored scales; against the float64 reference, a row alone as among 19."""
+    """A Q4_K_M file's q, k (Q4_K) and v (Q6_K in some layers) fused into one projection: on VNNI and AVX2 nibbles
+    and two planes with the scales as bytes (0.91 bytes a weight; it was a byte a weight and float32 scales, 1.5),
+    on ARM64 bytes with factored scales; against the float64 reference, a row alone as among 19."""
     rng = np.random.default_rng(8)
     parts, raws = [], []
     for kind, rows in ((Type.Q4_K, 32), (Type.Q4_K, 16), (Type.Q6_K, 16)):
@@ -178,7 +187,7 @@ def test_a_q_k_v_fused_from_q4_k_and_q6_k_blocks_is_held_in_six_bits_with_factor
     fused = block_tiles.Blocks.cat(parts)
     isa = q8_tiles.instruction_set()
     form = fused.q8_packed(isa)[2]
-    assert form.factored and form.planes == (2 if isa == "vnni" else 0)
+    assert form.factored and form.planes == (2 if isa in q8_tiles.PLANES else 0)
     x = rng.standard_normal((19, 512)).astype(np.float32)
     weight = fused.weight(q8=True)
     together = q8_tiles.linear(x, weight)
@@ -190,10 +199,11 @@ def test_a_q_k_v_fused_from_q4_k_and_q6_k_blocks_is_held_in_six_bits_with_factor
                               together[first : first + count])
 
 
-@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+@pytest.mark.parametrize("isa", ["vnni", "avx2", "neon"])
 def test_the_planes_hold_each_weights_higher_bits_in_the_order_of_its_steps_bytes(monkeypatch, isa):
     """The layout the VNNI tiles read (any CPU: the tiles are not compiled): per block, four steps of nibbles, then
-    a plane per bit past the fourth, step s's 64 weights in bits 64 s .. 64 s + 63; the offset form keeps only d."""
+    a plane per bit past the fourth, step s's 64 weights in bits 64 s .. 64 s + 63; the offset form keeps only d.
+    The AVX2 tiles' (test_the_avx2_planes_...) hold the same bits shifted into fields; ARM64's tiles hold bytes."""
     monkeypatch.setattr(q8_tiles, "tiles", lambda form: form)
     monkeypatch.setattr(q8_tiles, "instruction_set", lambda: isa)
     rng = np.random.default_rng(4)
@@ -201,7 +211,7 @@ def test_the_planes_hold_each_weights_higher_bits_in_the_order_of_its_steps_byte
     blocks = block_tiles.Blocks.read(type("Tensor", (), {"name": "t", "tensor_type": Type.Q5_0, "data": raw}))
     q, held, form, rows, _ = blocks.weight(q8=True)
     values, d, _ = blocks.integers()  # -16..15, one scale a block
-    if isa == "avx2":  # bytes: the signed values plus 128, no minimum
+    if isa == "neon":  # bytes: the signed values plus 128, no minimum
         assert form == q8_tiles.Form(nibbles=False, minimum=False) and q.shape == (1, 2 * 8 * 64)
         return
     assert form == q8_tiles.Form(nibbles=True, planes=1, offset=16) and form.slots == 1
@@ -210,9 +220,33 @@ def test_the_planes_hold_each_weights_higher_bits_in_the_order_of_its_steps_byte
     for block in range(2):
         steps = q[0, block * 320 : block * 320 + 256].reshape(4, 16, 4)
         plane = np.unpackbits(q[0, block * 320 + 256 : block * 320 + 320], bitorder="little").reshape(8, 16, 4)
+        if isa == "avx2":  # byte i of vector h: bit p is step p's bit 4 of byte i of its half h (columns 8h..8h + 7)
+            fields = np.unpackbits(q[0, block * 320 + 256 : block * 320 + 320], bitorder="little").reshape(2, 8, 4, 8)
+            plane = fields.transpose(3, 0, 1, 2).reshape(8, 16, 4)  # [vector, column, weight, bit] -> [step, ...]
         for step in range(8):
             nibbles = steps[step % 4] & 15 if step < 4 else steps[step % 4] >> 4
             got = nibbles | (plane[step] << 4)  # [column, 4 weights]
+            assert np.array_equal(got, unsigned[:, block, 4 * step : 4 * step + 4])
+
+
+def test_the_avx2_planes_hold_six_bit_weights_as_fields_of_two_bits(monkeypatch):
+    """Six-bit weights for the AVX2 tiles (any CPU: not compiled): per block four steps of nibbles, then four 32-byte
+    vectors; byte i of vector 2 k + h holds, for steps 4 k .. 4 k + 3 (field t: bits 2 t, 2 t + 1), bits 4 and 5
+    of byte i of the step's half h, so one shift and one and put a half's bits in place."""
+    monkeypatch.setattr(q8_tiles, "tiles", lambda form: form)
+    monkeypatch.setattr(q8_tiles, "instruction_set", lambda: "avx2")
+    raw = quantize(np.random.default_rng(6).standard_normal((16, 256)).astype(np.float32), Type.Q6_K)
+    blocks = block_tiles.Blocks.read(type("Tensor", (), {"name": "t", "tensor_type": Type.Q6_K, "data": raw}))
+    q, _, form, _, _ = blocks.weight(q8=True)
+    assert form.nibbles and form.planes == 2 and form.offset == 32 and q.shape == (1, 8 * 384)
+    unsigned = blocks.integers()[0] + 32  # [16 rows, 8 blocks, 32]
+    for block in range(8):
+        steps = q[0, block * 384 : block * 384 + 256].reshape(4, 16, 4)
+        vectors = q[0, block * 384 + 256 : block * 384 + 384].reshape(2, 2, 8, 4)  # [k, h, column in half, weight]
+        for step in range(8):
+            nibbles = steps[step % 4] & 15 if step < 4 else steps[step % 4] >> 4
+            high = (vectors[step // 4] >> (2 * (step % 4))) & 3  # [h, column in half, weight]
+            got = nibbles | (high.reshape(16, 4) << 4)
             assert np.array_equal(got, unsigned[:, block, 4 * step : 4 * step + 4])
 
 

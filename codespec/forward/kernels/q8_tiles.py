@@ -112,7 +112,8 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
         else:
             weights.append((p, f"%qv{p}"))
     weights = sorted(weights)
-    for plane in range(form.planes):  # each step's bit 4 + plane, 64 of them, as a mask (AVX-512BW's byte masks)
+    for plane in range(form.planes if isa == "vnni" else 0):  # each step's bit 4 + plane, 64 of them, as a mask
+        # (AVX-512BW's byte masks; AVX2 has none: _avx2_weights shifts its planes' bits into place instead)
         text += (f"  %fp{plane} = getelementptr i8, ptr %qp, i64 {(form.steps + plane) * STEP_BYTES}\n"
                  f"  %fv{plane} = load <8 x i64>, ptr %fp{plane}, align 1\n")
         for step, vector in weights:
@@ -152,9 +153,11 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
     text += "  %xb = mul i64 %b, 32\n  %hb = mul i64 %b, 2\n"
     if isa in SHARED:
         text += SHARED[isa](form, weights)
+    if isa in EVERY_ROW:
+        text += EVERY_ROW[isa](form, weights, rows)
     for j in range(rows):
         # %ci{j}_{part}: the 16 columns' integer sums over the block (part 0), or over each half (parts 0, 1)
-        text += SUMS[isa](form, weights, j, rows)
+        text += SUMS[isa](form, weights, j, rows) if isa in SUMS else ""
         text += f"  %xdp{j} = getelementptr float, ptr %xd{j}, i64 %b\n" + splat(f"xdv{j}", f"%xdp{j}",
                                                                                     "<16 x float>", "float")
         terms = []  # (x, y) of each x * y added to the row's sums, in order
@@ -213,62 +216,93 @@ def _vnni_sums(form: Form, weights: list, j: int, rows: int) -> str:
     return text + f"  %ci{j}_0 = add <16 x i32> {chains[0]}, {chains[1]}\n"
 
 
-def _avx2_weights(form: Form, weights: list) -> str:
-    """Each step's 64 bytes as two 32-byte halves %h{step}_{half} (columns 0-7, 8-15), shared by the rows; for bytes
-    the signed weights %h{step}_{half}.s (the stored bytes less 128) and their magnitudes %h{step}_{half}.a."""
-    text = ""
-    for step, vector in weights:
-        for half in (0, 1):
-            name = f"%h{step}_{half}"
-            text += (f"  {name} = shufflevector <64 x i8> {vector}, <64 x i8> poison, "
-                     f"<32 x i32> <{lanes(range(32 * half, 32 * half + 32))}>\n")
-            if not form.nibbles:
-                text += (f"  {name}.s = xor <32 x i8> {name}, splat (i8 -128)\n"
-                         f"  {name}.a = call <32 x i8> @llvm.abs.v32i8(<32 x i8> {name}.s, i1 false)\n")
+def _avx2_half(form: Form, step: int, vector: str, half: int, loaded: set) -> str:
+    """%h{step}_{half}: half `half` (32 bytes: columns 0-7, 8-15) of a step's 64 bytes; for bytes also the signed
+    weights %h{step}_{half}.s (the stored bytes less 128) and their magnitudes %h{step}_{half}.a. With planes (five-
+    and six-bit weights: `_lay_steps`, shifted), the half's higher bits are a field of the bytes of one 32-byte plane
+    vector (loaded once a block: `loaded`), shifted into bits 4.. and added to its nibbles: a shift, an and, an or."""
+    name, fields = f"%h{step}_{half}", 8 // max(1, form.planes)
+    low = f"{name}.n" if form.planes else name
+    text = (f"  {low} = shufflevector <64 x i8> {vector}, <64 x i8> poison, "
+            f"<32 x i32> <{lanes(range(32 * half, 32 * half + 32))}>\n")
+    if form.planes:
+        plane = 2 * (step // fields) + half
+        if plane not in loaded:
+            loaded.add(plane)
+            text += (f"  %pp{plane} = getelementptr i8, ptr %qp, i64 {form.steps * STEP_BYTES + 32 * plane}\n"
+                     f"  %pv{plane} = load <32 x i8>, ptr %pp{plane}, align 1\n")
+        shift, moved = 4 - form.planes * (step % fields), f"%pv{plane}"
+        if shift:
+            moved = f"{name}.t"
+            text += f"  {moved} = {'shl' if shift > 0 else 'lshr'} <32 x i8> %pv{plane}, splat (i8 {abs(shift)})\n"
+        text += (f"  {name}.p = and <32 x i8> {moved}, splat (i8 {((1 << form.planes) - 1) << 4})\n"
+                 f"  {name} = or <32 x i8> {low}, {name}.p\n")
+    if not form.nibbles:
+        text += (f"  {name}.s = xor <32 x i8> {name}, splat (i8 -128)\n"
+                 f"  {name}.a = call <32 x i8> @llvm.abs.v32i8(<32 x i8> {name}.s, i1 false)\n")
     return text
 
 
-def _avx2_sums(form: Form, weights: list, j: int, rows: int) -> str:
-    """%ci{j}_{part}: row j's 16 integer sums in AVX2's vpmaddubsw (unsigned bytes times signed bytes, pairs added
-    into 16-bit lanes, saturating) and vpmaddwd (16-bit pairs added into 32 bits). No sum saturates, so each is
-    exact:
+def _avx2_sums(form: Form, weights: list, rows: int) -> str:
+    """%ci{j}_{part}: each row j's 16 integer sums in AVX2's vpmaddubsw (unsigned bytes times signed bytes, pairs
+    added into 16-bit lanes, saturating) and vpmaddwd (16-bit pairs added into 32 bits), a half of a step at a time
+    for every row (each half formed where it is used: formed for the whole block first, AVX2's 16 registers could
+    not hold them and they went to the stack). No sum saturates, so each is exact:
     - nibbles (0..15 times |x| <= 127): a pair is at most 3,810 and a block's 16 products per lane 30,480, so the
-      16-bit sums of all 8 steps are added before one vpmaddwd per half;
+      16-bit sums of all 8 steps are added before one vpmaddwd per half; with planes, five bits (0..31: a pair at
+      most 7,874) four steps at a time, six bits (0..63: 16,002) two;
     - bytes (signed, down to -128: a pair of 128 x 127 is 32,512): the weights' magnitudes times the inputs with the
       weights' signs (vpsignb: llama.cpp's way), widened every step, summed per part (per 16 weights for forms
       of two scales)."""
-    text = ""
-    parts = {}  # part -> [lower columns' sum, upper columns' sum]
+    text, loaded = "", set()
+    parts = {}  # (row, part) -> [lower columns' sum, upper columns' sum]
+    run = {0: 8, 1: 4, 2: 2}[form.planes]  # steps whose 16-bit sums are added before they are widened
+
+    def widen(key):  # a row's part's 16-bit sums into 32 bits, added to what it has there
+        name, _ = short.pop(key)
+        text = f"  {name}.w = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {name}, <16 x i16> splat (i16 1))\n"
+        previous[key] = f"{name}.w"
+        if key in wide:
+            text += f"  {name}.ws = add <8 x i32> {wide[key]}, {name}.w\n"
+            previous[key] = f"{name}.ws"
+        wide[key] = previous[key]
+        return text
+
     for half in (0, 1):
-        previous = {}
-        for step, _ in weights:
-            if half == 0:
-                text += _row_inputs(j, step, 8)
-            name = f"%p{j}_{step}_{half}"
+        wide, short, previous = {}, {}, {}  # (row, part) -> its 32-bit sums; nibbles: (16-bit sums, steps in them)
+        for step, vector in weights:
+            text += _avx2_half(form, step, vector, half, loaded)
             part = step * form.scales // 8
-            if form.nibbles:
-                text += (f"  {name} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %h{step}_{half}, "
-                         f"<32 x i8> %xv{j}_{step})\n")
-                vector = "<16 x i16>"
-            else:
+            for j in range(rows):
+                if half == 0:
+                    text += _row_inputs(j, step, 8)
+                name, key = f"%p{j}_{step}_{half}", (j, part)
+                if form.nibbles:
+                    text += (f"  {name} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %h{step}_{half}, "
+                             f"<32 x i8> %xv{j}_{step})\n")
+                    if key in short and short[key][1] == run:
+                        text += widen(key)
+                    if key in short:
+                        text += f"  {name}.sum = add <16 x i16> {short[key][0]}, {name}\n"
+                        short[key] = (f"{name}.sum", short[key][1] + 1)
+                    else:
+                        short[key] = (name, 1)
+                    continue
                 text += (f"  {name}.x = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %xv{j}_{step}, "
                          f"<32 x i8> %h{step}_{half}.s)\n"
                          f"  {name}.m = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %h{step}_{half}.a, "
                          f"<32 x i8> {name}.x)\n"
                          f"  {name} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {name}.m, "
                          f"<16 x i16> splat (i16 1))\n")
-                vector = "<8 x i32>"
-            if part in previous:
-                text += f"  {name}.sum = add {vector} {previous[part]}, {name}\n"
-                name += ".sum"
-            previous[part] = name
-        for part, name in previous.items():
-            if form.nibbles:
-                text += (f"  {name}.w = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {name}, "
-                         f"<16 x i16> splat (i16 1))\n")
-                name += ".w"
-            parts.setdefault(part, []).append(name)
-    for part, (lower, upper) in parts.items():
+                if key in wide:
+                    text += f"  {name}.sum = add <8 x i32> {wide[key]}, {name}\n"
+                    name += ".sum"
+                wide[key] = name
+        for key in list(short):
+            text += widen(key)
+        for key, name in wide.items():
+            parts.setdefault(key, []).append(name)
+    for (j, part), (lower, upper) in parts.items():
         text += (f"  %ci{j}_{part} = shufflevector <8 x i32> {lower}, <8 x i32> {upper}, "
                  f"<16 x i32> <{lanes(range(16))}>\n")
     return text
@@ -383,8 +417,9 @@ def _i8mm_sums(form: Form, weights: list, j: int, rows: int) -> str:
     return text
 
 
-SHARED = {"avx2": _avx2_weights, "neon": _neon_weights, "i8mm": _i8mm_weights}  # a block's weights, for all rows
-SUMS = {"vnni": _vnni_sums, "avx2": _avx2_sums, "neon": _neon_sums, "i8mm": _i8mm_sums}
+SHARED = {"neon": _neon_weights, "i8mm": _i8mm_weights}  # a block's weights, for all rows
+SUMS = {"vnni": _vnni_sums, "neon": _neon_sums, "i8mm": _i8mm_sums}  # a row's sums
+EVERY_ROW = {"avx2": _avx2_sums}  # every row's sums, a half step at a time
 ISAS = {  # the integer dot products' instruction sets: their entries in the capability table, the most rows a tile takes
     "vnni": ("q8 block tiles, vnni", 8),  # AVX512-VNNI's vpdpbusd: 32 registers of 16 lanes
     "avx2": ("q8 block tiles", 4),  # AVX2's vpmaddubsw and vpmaddwd (x86-64-v3): 16 registers of 8 lanes; 2 and 8
@@ -552,6 +587,7 @@ def compiled(weight: tuple) -> tuple:
     return q, held, tiles(form), rows, chunk_groups
 
 
+PLANES = ("vnni", "avx2")  # the instruction sets whose tiles take five- and six-bit weights as nibbles and planes
 OFFSETS = (8, 16, 32, 128)  # m = -offset d: Q4_0's, Q5_0's, Q6_K's (as q8_tiles holds them unsigned), bytes on VNNI
 # the GGUF types' bits a weight: where a tensor's (or a fused tensor's) most are 5 or 6, the VNNI tiles hold its
 # weights as nibbles and planes past 4 bits (a Q4_K_M file's q/k/v fused from Q4_K and Q6_K blocks: 6 bits)
@@ -570,7 +606,7 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
     (Q5_0's, Q6_K's) plus 16 or 32, its minimum less 16 or 32 d. (q, scales, form, rows, column groups a thread takes at a
     time)."""
     stepped, slots, bases, minimum = None, [], [], False
-    planes = planes if isa == "vnni" and bits == 8 else 0
+    planes = planes if isa in PLANES and bits == 8 else 0
     stored = 4 + planes if planes else bits  # the bits _steps lays out
     for first in range(0, rows, REPACK_ROWS):
         q, d, m, *base = integers(first, min(rows, first + REPACK_ROWS))
@@ -584,7 +620,7 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
         elif isa == "vnni" and bits == 8:
             m = -128 * d if m is None else m - 128 * d
         minimum = m is not None
-        part = _steps(stored, q)
+        part = _steps(stored, q, shifted=isa == "avx2")
         if stepped is None:  # (filled a chunk at a time: a 152k-row output layer's steps held once, not twice)
             stepped = np.empty((-(-rows // COLUMNS), part.shape[1]), np.uint8)
         stepped[first // COLUMNS : first // COLUMNS + part.shape[0]] = part
@@ -651,20 +687,23 @@ def _factor_bytes(slots, base, scales, ints):
     return exact.all()
 
 
-def _steps(bits: int, q: np.ndarray) -> np.ndarray:
+def _steps(bits: int, q: np.ndarray, shifted: bool = False) -> np.ndarray:
     """q [rows, B, 32] as the tiles read it, [groups, B * Form.block_bytes] bytes: per block, step p holds weights
     4p..4p + 3 of each of 16 columns (nibbles: step p in the low nibbles, step p + 4 in the high ones; bits 5 and
-    6: those nibbles of 0..31 or 0..63, then a plane for each higher bit, each step's 64 bits in the order of its
-    bytes, least significant first; bytes: the signed values plus 128). Rows past the last are zero weights."""
+    6: those nibbles of 0..31 or 0..63, then 64 bytes for each higher bit; bytes: the signed values plus 128). Rows
+    past the last are zero weights. The higher bits, for the VNNI tiles' byte masks: a plane per bit, each step's 64
+    bits in the order of its bytes, least significant first. `shifted`, for AVX2's shifts: 32-byte vectors whose
+    byte i holds, for byte i of half h (columns 8h..8h + 7) of each of 8 / n steps (n: 1 or 2 higher bits), those
+    bits as a field of n bits (step p: vector 2 (p // (8 / n)) + h, field p % (8 / n), lowest first)."""
     rows, blocks, _ = q.shape
     block_bytes = {8: 512, 4: 256}.get(bits, 256 + 64 * (bits - 4))
     out = np.zeros((-(-rows // COLUMNS), blocks * block_bytes), np.uint8)
-    _lay_steps(q, bits, block_bytes, out)
+    _lay_steps(q, bits, block_bytes, out, shifted)
     return out
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False)
-def _lay_steps(q, bits, block_bytes, out):
+def _lay_steps(q, bits, block_bytes, out, shifted):
     """_steps' bytes into out (zeros), a group of COLUMNS rows a task (numpy's transposes and bit packing took 4 of
     a 1.7B Q4_K_M's 20-second first load)."""
     rows, blocks = q.shape[0], q.shape[1]
@@ -682,7 +721,16 @@ def _lay_steps(q, bits, block_bytes, out):
                             out[g, place] = np.uint8((q[r, b, 4 * p + w] + 128) & 255)
                         else:  # step p in the low nibbles, step p + 4 in the high ones
                             out[g, place] = np.uint8((q[r, b, 4 * p + w] & 15) | ((q[r, b, 4 * p + 16 + w] & 15) << 4))
-                if bits in (5, 6) and r < rows:  # the planes: bit (c % 2) 4 + w of byte c // 2 of step p's 8
+                if bits in (5, 6) and r < rows and shifted:  # (_steps)
+                    n = bits - 4
+                    fields = 8 // n
+                    for bit in range(4, bits):
+                        for p in range(8):
+                            for w in range(4):
+                                place = at + 256 + (2 * (p // fields) + c // 8) * 32 + (c % 8) * 4 + w
+                                field = n * (p % fields) + bit - 4
+                                out[g, place] |= np.uint8(((q[r, b, 4 * p + w] >> bit) & 1) << field)
+                elif bits in (5, 6) and r < rows:  # the planes: bit (c % 2) 4 + w of byte c // 2 of step p's 8
                     for bit in range(4, bits):
                         for p in range(8):
                             byte = 0
