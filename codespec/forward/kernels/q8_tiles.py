@@ -46,8 +46,8 @@ class Form:
     scale a block of 32 or two (one per 16 weights); a minimum (w = q d + m) or none; scales as float16 (the
     file's own, where they are float16 values) or float32 (wide: K-quants' sub-block scales, d times a 6-bit
     integer); with `planes` 1 or 2, five- or six-bit weights (0..31: Q5_0 plus 16, Q5_1, Q5_K; 0..63: Q6_K plus
-    32) as their low nibbles and planes of their higher bits (the VNNI tiles'). Per block and column group: `steps`
-    64-byte steps (and 64 bytes a plane: step s's 64 weights in bits 64 s .. 64 s + 63, in the order of its bytes),
+    32) as their low nibbles and planes of their higher bits (the VNNI and AVX2 tiles'). Per block and column
+    group: `steps` 64-byte steps (and 64 bytes a plane, laid out as `_steps` says for the instruction set),
     then `slots` vectors of 16 scales (the d's, then the m's; with `offset` the m's are not held but formed in the
     tile, m = -offset d: the same float32 values, exactly, as Q4_0's -8 d, Q5_0's -16 d, Q6_K's -32 d and the VNNI
     tiles' -128 d for bytes). `factored`: the scales as the K-quant file holds them, a signed byte each times its
@@ -589,7 +589,7 @@ def compiled(weight: tuple) -> tuple:
 
 PLANES = ("vnni", "avx2")  # the instruction sets whose tiles take five- and six-bit weights as nibbles and planes
 OFFSETS = (8, 16, 32, 128)  # m = -offset d: Q4_0's, Q5_0's, Q6_K's (as q8_tiles holds them unsigned), bytes on VNNI
-# the GGUF types' bits a weight: where a tensor's (or a fused tensor's) most are 5 or 6, the VNNI tiles hold its
+# the GGUF types' bits a weight: where a tensor's (or a fused tensor's) most are 5 or 6, the PLANES tiles hold its
 # weights as nibbles and planes past 4 bits (a Q4_K_M file's q/k/v fused from Q4_K and Q6_K blocks: 6 bits)
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
 
@@ -601,7 +601,7 @@ def packed(bits: int, rows: int, integers, isa: str, planes: int = 0) -> tuple:
     super-blocks' bases (Blocks.base: the scales are then held as bytes, `_factors`), taken REPACK_ROWS rows at a
     time. Columns are padded to a multiple of 16 with zero weights. Every instruction set takes every form:
     vpdpbusd takes the stored bytes as unsigned, so for the VNNI tiles a byte form's minimum is less 128 d (w = (q + 128) d + m - 128 d).
-    `planes` 1 or 2: the blocks are five- or six-bit weights, which the VNNI tiles hold as nibbles and
+    `planes` 1 or 2: the blocks are five- or six-bit weights, which the VNNI and AVX2 tiles hold as nibbles and
     planes of the higher bits (0.625 and 0.75 bytes a weight against a byte; BITS): a block of signed weights
     (Q5_0's, Q6_K's) plus 16 or 32, its minimum less 16 or 32 d. (q, scales, form, rows, column groups a thread takes at a
     time)."""
