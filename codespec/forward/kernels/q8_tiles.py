@@ -113,7 +113,7 @@ def tile_ir(name: str, form: Form, rows: int, isa: str = "vnni") -> str:
             weights.append((p, f"%qv{p}"))
     weights = sorted(weights)
     for plane in range(form.planes if isa == "vnni" else 0):  # each step's bit 4 + plane, 64 of them, as a mask
-        # (AVX-512BW's byte masks; AVX2 has none: _avx2_weights shifts its planes' bits into place instead)
+        # (AVX-512BW's byte masks; AVX2 has none: _avx2_half shifts its planes' bits into place instead)
         text += (f"  %fp{plane} = getelementptr i8, ptr %qp, i64 {(form.steps + plane) * STEP_BYTES}\n"
                  f"  %fv{plane} = load <8 x i64>, ptr %fp{plane}, align 1\n")
         for step, vector in weights:
@@ -246,8 +246,7 @@ def _avx2_half(form: Form, step: int, vector: str, half: int, loaded: set) -> st
 def _avx2_sums(form: Form, weights: list, rows: int) -> str:
     """%ci{j}_{part}: each row j's 16 integer sums in AVX2's vpmaddubsw (unsigned bytes times signed bytes, pairs
     added into 16-bit lanes, saturating) and vpmaddwd (16-bit pairs added into 32 bits), a half of a step at a time
-    for every row (each half formed where it is used: formed for the whole block first, AVX2's 16 registers could
-    not hold them and they went to the stack). No sum saturates, so each is exact:
+    for every row, each half formed just before the rows use it. No sum saturates, so each is exact:
     - nibbles (0..15 times |x| <= 127): a pair is at most 3,810 and a block's 16 products per lane 30,480, so the
       16-bit sums of all 8 steps are added before one vpmaddwd per half; with planes, five bits (0..31: a pair at
       most 7,874) four steps at a time, six bits (0..63: 16,002) two;
@@ -261,15 +260,13 @@ def _avx2_sums(form: Form, weights: list, rows: int) -> str:
     def widen(key):  # a row's part's 16-bit sums into 32 bits, added to what it has there
         name, _ = short.pop(key)
         text = f"  {name}.w = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {name}, <16 x i16> splat (i16 1))\n"
-        previous[key] = f"{name}.w"
         if key in wide:
             text += f"  {name}.ws = add <8 x i32> {wide[key]}, {name}.w\n"
-            previous[key] = f"{name}.ws"
-        wide[key] = previous[key]
+        wide[key] = f"{name}.ws" if key in wide else f"{name}.w"
         return text
 
     for half in (0, 1):
-        wide, short, previous = {}, {}, {}  # (row, part) -> its 32-bit sums; nibbles: (16-bit sums, steps in them)
+        wide, short = {}, {}  # (row, part) -> its 32-bit sums; nibbles: (16-bit sums, steps in them)
         for step, vector in weights:
             text += _avx2_half(form, step, vector, half, loaded)
             part = step * form.scales // 8
