@@ -136,13 +136,20 @@ class CostModel:
 
 
 def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, ...] = SIZES,
-                  repeats: int = 6, longer: int = 1024) -> CostModel:
+                  repeats: int = 6, longer: int = 1024, budget: float | None = None) -> CostModel:
     """Time forwards over each size on top of `context` cached tokens, then the smallest size and the size nearest
     16 on top of `context + longer` (what a cached key costs, once per sequence and per row). The sizes take turns,
     one forward each a round, for `repeats` rounds after a warm-up round, and the fastest of a size's rounds counts:
     other load on the machine only ever adds time, and a burst of it then costs one size one round, not every
     repeat of one size (timed back to back, a 40 ms burst priced 2 rows at 2.5x one on a 2-core AVX2 host, where
-    they take 1.2x, and held back every one-token draft of a whole bench run)."""
+    they take 1.2x, and held back every one-token draft of a whole bench run).
+    budget: seconds the timed forwards may take, at least LEAST rounds after the warm-up: the warm-up round goes
+    from the smallest size up and stops where a size would not fit, and fewer rounds run where `repeats` would not.
+    A size not timed is priced as dear a token as the largest one timed (more rows never cost a token more: steady),
+    so a draft that long is verified only where it pays at that price. Unbounded, the table took 75 s for a 1.7B
+    Q4_K_M model on a 2-core AVX2 host, before its first token (128 rows alone took 3 s a forward).
+    The caches' keys are copies of a few computed ones (StaticCache.stretch: prefilling 1,280 tokens took that
+    model 30 s); a cache that cannot stretch is prefilled."""
     rng = np.random.default_rng(0)
     room = getattr(path, "context", None)  # a path with caches of fixed size (graphs.py): what fits
     if room is not None:
@@ -150,7 +157,7 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
         sizes = tuple(n for n in sizes if context + n <= room) or sizes[:1]
         longer = min(longer, room - context - 2 * max(sizes))
     cache = path.new_cache()
-    path(cache, rng.integers(0, vocab_size, context).tolist(), 1)
+    grow(path, cache, context, rng, vocab_size)
     tokens = {size: rng.integers(0, vocab_size, size).tolist() for size in sizes}
 
     def once(size: int) -> float:
@@ -162,21 +169,47 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
         cache.crop(length)
         return seconds
 
-    def fastest(chosen: tuple[int, ...]) -> list[float]:
-        timings = [[once(size) for size in chosen] for _ in range(repeats + 1)][1:]  # (round 0 warms up)
+    def fastest(chosen: tuple[int, ...], warm_up: bool = True) -> list[float]:
+        timings = [[once(size) for size in chosen] for _ in range(repeats + warm_up)][warm_up:]
         return [min(column) for column in zip(*timings)]
 
-    table = fastest(sizes)
+    warm: list[float] = []  # round 0 warms up, and with a budget picks the sizes and the rounds that fit it
+    for size in sizes:
+        guess = warm[-1] * size / sizes[len(warm) - 1] if warm else 0.0
+        if budget is not None and warm and (sum(warm) + guess) * (LEAST + 1) > budget:
+            break
+        warm.append(once(size))
+    timed = sizes[: len(warm)]
+    if budget is not None:
+        repeats = max(LEAST, min(repeats, int(budget / sum(warm)) - 1))
+    table = fastest(timed, warm_up=False)
+    table += [table[-1] * n / timed[-1] for n in sizes[len(timed) :]]
     key_seconds = row_key_seconds = 0.0
-    few, many = sizes[0], max(n for n in sizes if n <= 16)
+    few, many = timed[0], max(n for n in timed if n <= 16)
     if longer > 0 and many > few:
-        path(cache, rng.integers(0, vocab_size, longer).tolist(), 1)
+        grow(path, cache, context + longer, rng, vocab_size)
         added = {n: max(seconds - table[sizes.index(n)], 0.0) / longer
                  for n, seconds in zip((few, many), fastest((few, many)))}  # per key, n rows
         row_key_seconds = max(added[many] - added[few], 0.0) / (many - few)
         key_seconds = max(added[few] - few * row_key_seconds, 0.0)
     return CostModel(tuple(sizes), tuple(table), key_seconds=key_seconds, row_key_seconds=row_key_seconds,
                      context=context)
+
+
+LEAST = 2  # timed rounds after the warm-up, however little a budget leaves
+BUDGET = 5.0  # seconds of timed forwards for a table kept on disk (cached_costs): the default model's whole table, 6
+# rounds (~4 s on a 2-core AVX2 host); a 1.7B model's sizes up to 16 or 32, 2 rounds; a 7B's up to 2 or 4
+
+
+def grow(path, cache, length: int, rng, vocab_size: int) -> None:
+    """`cache` holding `length` positions: where it can stretch, 16 computed by a forward over random tokens and
+    copies of them; else all computed."""
+    stretches = hasattr(cache, "stretch")
+    computed = min(length, 16) if stretches else length
+    if cache.length < computed:
+        path(cache, rng.integers(0, vocab_size, computed - cache.length).tolist(), 1)
+    if cache.length < length:
+        cache.stretch(length)
 
 
 class BucketCosts(CostModel):
@@ -274,7 +307,7 @@ def steady(sizes: tuple[int, ...], seconds: tuple[float, ...]) -> bool:
 def measure_steady(path, vocab_size: int, attempts: int = 3) -> tuple[CostModel, bool]:
     """measure_costs until the table is steady (at most `attempts` times), and whether it is."""
     for _ in range(attempts):
-        costs = measure_costs(path, vocab_size)
+        costs = measure_costs(path, vocab_size, budget=BUDGET)
         if steady(costs.sizes, costs.seconds):
             return costs, True
     return costs, False

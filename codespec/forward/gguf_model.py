@@ -122,12 +122,10 @@ def metadata(path: Path, folder: Path):
     file's metadata and saved there (the first load). The config is transformers' base class holding the saved
     fields: its Llama and Qwen classes (and AutoConfig, and AutoTokenizer without a config) import
     torch.distributed.tensor and torch._dynamo, 1.7 s of every load."""
-    from transformers import PretrainedConfig
-
     stamp = folder / "source.json"
     if stamp.is_file():
         try:
-            config = PretrainedConfig(**json.loads((folder / "config.json").read_text()), name_or_path=str(folder))
+            config = named(json.loads((folder / "config.json").read_text()), folder)
             return config, saved_tokenizer(folder, config)
         except Exception:  # a damaged copy: built again below
             pass
@@ -160,8 +158,17 @@ def metadata(path: Path, folder: Path):
         stamp.write_text(json.dumps({"gguf": str(path)}))
     except OSError:
         pass  # a read-only cache: built from the file again next time
-    # (named by the folder, as from_pretrained names it: adaptive's cost cache is kept per name)
-    return PretrainedConfig(**config.to_dict(), name_or_path=str(folder)), tokenizer
+    return named(config.to_dict(), folder), tokenizer
+
+
+def named(fields: dict, folder: Path):
+    """transformers' base config class holding `fields`, named by `folder` (one per GGUF) on the first load as on
+    later ones: adaptive's cost table is kept per name, and a config built from the file carries the name of the
+    file's own directory, which every GGUF in it shares (a first run measured the table under that name, the second
+    run again under the folder's)."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig(**(fields | {"_name_or_path": str(folder)}))
 
 
 class Held(torch.nn.Module):

@@ -56,6 +56,19 @@ class StaticCache:
             grown[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, grown)
 
+    def stretch(self, length: int) -> None:
+        """Positions up to `length` filled with copies of the cached ones, over and over: as many keys as a cache of
+        that length holds, without the forwards that would compute them (adaptive.measure_costs times forwards over
+        caches of some lengths, and the kernels read every key whatever it holds)."""
+        self.reserve(length)
+        start = self.length
+        while self.length < length:
+            count = min(start, length - self.length)
+            for held in (self.keys, self.values):
+                held[:, :, self.length : self.length + count] = held[:, :, :count]
+            self.length += count
+        self.changed(start)
+
     def crop(self, new_len: int) -> None:
         self.length = min(self.length, new_len)
         self.changed(new_len)

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from codespec.adaptive import (SIZES, DraftingCosts, Acceptance, Adaptive, CostModel, allocate, cached_costs, choose,
                                measure_costs, steady)
@@ -239,6 +240,56 @@ def test_measured_sizes_take_turns_so_a_burst_of_load_costs_one_round_not_one_si
     costs = measure_costs(Path(), 100, context=8, sizes=(1, 2, 4), repeats=4, longer=0)
     assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3))
     assert clock.sizes[1:8] == [1, 2, 4, 1, 2, 4, 1]  # (after the context's forward) every size, round by round
+
+
+def test_a_budget_times_the_sizes_that_fit_it_and_prices_the_rest_as_dear_a_token(monkeypatch):
+    """With a budget, the warm-up round stops before a size whose rounds would not fit it, fewer rounds run where
+    `repeats` would not, and the sizes not timed cost as much a token as the largest one timed (a 1.7B model's whole
+    table took 75 s). The fake forward takes n ms for n rows, the first forward of each size 10 ms more."""
+    import types
+
+    import codespec.adaptive as adaptive
+
+    clock = types.SimpleNamespace(now=0.0, sizes=[])
+    monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+
+    class Cache:
+        length = 0
+
+        def crop(self, length):
+            self.length = length
+
+    class Path:
+        def new_cache(self):
+            return Cache()
+
+        def __call__(self, cache, tokens, n):
+            clock.now += 1e-3 * len(tokens) + (0.01 if len(tokens) not in clock.sizes else 0.0)
+            clock.sizes.append(len(tokens))
+            cache.length += len(tokens)
+
+    # warm-up: 1 row 11 ms, 2 rows 12 ms; 4 rows would make (23 + 24) x 3 > 100 ms: not timed
+    costs = measure_costs(Path(), 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0, budget=0.1)
+    assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3))
+    assert clock.sizes[1:] == [1, 2] + [1, 2] * 3  # 100 ms / 23 ms: 3 rounds after the warm-up
+    clock.sizes.clear()
+    whole = measure_costs(Path(), 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0)  # no budget: all, 6 rounds
+    assert whole.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3)) and clock.sizes[1:] == [1, 2, 4, 8] * 7
+
+
+def test_a_stretched_cache_holds_copies_of_its_positions_and_a_forward_runs_on_it(model):
+    """StaticCache.stretch: as many keys as a longer cache, without computing them (measure_costs' caches)."""
+    path = forward_path(model)
+    cache = path.new_cache()
+    path(cache, [5, 6, 7], 1)
+    wanted = cache.capacity + 5  # (past its capacity: it grows)
+    cache.stretch(wanted)
+    assert cache.length == wanted <= cache.capacity
+    for held in (cache.keys, cache.values):
+        for start in range(0, wanted, 3):
+            count = min(3, wanted - start)
+            assert torch.equal(held[:, :, start : start + count], held[:, :, :count])
+    assert torch.isfinite(path(cache, [8, 9], 2)).all() and cache.length == wanted + 2
 
 
 def test_engine_measures_costs_once_and_adaptive_output_matches_plain(engine):

@@ -33,6 +33,9 @@ def test_a_zoo_file_has_the_shape_and_tokenizer_asked_for_and_loads_directly(tmp
         arch, 64, 128, 2)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (4, 2, 49200)
     assert len(tokenizer) == 49200 and tokenizer.decode(tokenizer("def f(x):")["input_ids"]) == "def f(x):"
+    # named by its folder on the first load as on later ones (adaptive's cost table is kept per name; the file's own
+    # directory is every GGUF's in it): a second run measured the table again
+    assert config.name_or_path == str(tmp_path / "meta") == gguf_model.metadata(path, tmp_path / "meta")[0].name_or_path
     # read with the vocabulary's arrays skipped (gguf_model.metadata): the config transformers reads with them
     from transformers import AutoConfig
 
