@@ -137,6 +137,25 @@ def test_metadata_fields_are_read_from_the_header(tmp_path):
     assert block_tiles.field(tmp_path / "keyed.gguf", "qwen3.rope.freq_base") == 1e6
 
 
+def test_the_reader_that_skips_arrays_reads_what_ggufs_own_reads_but_the_arrays():
+    """block_tiles.arrays_skipped (every direct load's reader, on plain arrays over the mapping): the default model's
+    tensors (names, types, shapes, offsets, blocks) and scalar fields as gguf.GGUFReader reads them; its arrays (the
+    vocabulary) stepped over."""
+    from codespec.forward.kernels import block_tiles
+
+    path = str(models.locate_default_gguf())
+    ours, theirs = block_tiles.arrays_skipped()(path), gguf.GGUFReader(path)
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        if field.types[0] != gguf.GGUFValueType.ARRAY:
+            assert [bytes(p) for p in ours.fields[name].parts] == [bytes(p) for p in field.parts], name
+        else:
+            assert not ours.fields[name].data and len(field.data) > 0, name
+
+
 def test_released_pages_of_the_mapped_file_read_back_the_same(tmp_path):
     """block_tiles.release gives a tensor's pages back once its blocks are copied (they counted in the process's
     memory while mapped); reading the tensor again faults them back in from the file, unchanged."""
