@@ -718,19 +718,15 @@ def _lay_steps(q, bits, block_bytes, out, shifted):
                             out[g, place] = np.uint8((q[r, b, 4 * p + w] + 128) & 255)
                         else:  # step p in the low nibbles, step p + 4 in the high ones
                             out[g, place] = np.uint8((q[r, b, 4 * p + w] & 15) | ((q[r, b, 4 * p + 16 + w] & 15) << 4))
-                if bits in (5, 6) and r < rows and shifted:  # (_steps)
-                    n = bits - 4
-                    fields = 8 // n
+                if bits in (5, 6) and r < rows:  # each higher bit where `_steps` says, by layout
+                    n, fields = bits - 4, 8 // (bits - 4)
                     for bit in range(4, bits):
                         for p in range(8):
                             for w in range(4):
-                                place = at + 256 + (2 * (p // fields) + c // 8) * 32 + (c % 8) * 4 + w
-                                field = n * (p % fields) + bit - 4
+                                if shifted:  # byte (c % 8) 4 + w of vector 2 (p // fields) + c // 8, an n-bit field
+                                    place = at + 256 + (2 * (p // fields) + c // 8) * 32 + (c % 8) * 4 + w
+                                    field = n * (p % fields) + bit - 4
+                                else:  # bit (c % 2) 4 + w of byte c // 2 of step p's 8 in the bit's plane
+                                    place = at + 256 + (bit - 4) * 64 + p * 8 + c // 2
+                                    field = (c % 2) * 4 + w
                                 out[g, place] |= np.uint8(((q[r, b, 4 * p + w] >> bit) & 1) << field)
-                elif bits in (5, 6) and r < rows:  # the planes: bit (c % 2) 4 + w of byte c // 2 of step p's 8
-                    for bit in range(4, bits):
-                        for p in range(8):
-                            byte = 0
-                            for w in range(4):
-                                byte |= ((q[r, b, 4 * p + w] >> bit) & 1) << ((c % 2) * 4 + w)
-                            out[g, at + 256 + (bit - 4) * 64 + p * 8 + c // 2] |= np.uint8(byte)
