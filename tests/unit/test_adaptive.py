@@ -211,41 +211,9 @@ def test_measured_costs_cover_every_size_and_the_cached_keys(model, tmp_path, mo
     assert costs.cost(4, keys=216, row_keys=4 * 216) >= costs.cost(4)
 
 
-def test_measured_sizes_take_turns_so_a_burst_of_load_costs_one_round_not_one_size(monkeypatch):
-    """A fake forward on a fake clock: n rows take n ms, except six calls in a row (another process's burst) that
-    take 50 ms more. Timed back to back, one size would have had all its repeats in the burst."""
-    import types
-
-    import codespec.adaptive as adaptive
-
-    clock = types.SimpleNamespace(now=0.0, calls=0, sizes=[])
-    monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
-
-    class Cache:
-        length = 0
-
-        def crop(self, length):
-            self.length = length
-
-    class Path:
-        def new_cache(self):
-            return Cache()
-
-        def __call__(self, cache, tokens, n):
-            clock.calls += 1
-            clock.sizes.append(len(tokens))
-            clock.now += 1e-3 * len(tokens) + (0.05 if 7 <= clock.calls < 13 else 0.0)
-            cache.length += len(tokens)
-
-    costs = measure_costs(Path(), 100, context=8, sizes=(1, 2, 4), repeats=4, longer=0)
-    assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3))
-    assert clock.sizes[1:8] == [1, 2, 4, 1, 2, 4, 1]  # (after the context's forward) every size, round by round
-
-
-def test_a_budget_times_the_sizes_that_fit_it_and_prices_the_rest_as_dear_a_token(monkeypatch):
-    """With a budget, the warm-up round stops before a size whose rounds would not fit it, fewer rounds run where
-    `repeats` would not, and the sizes not timed cost as much a token as the largest one timed (a 1.7B model's whole
-    table took 75 s). The fake forward takes n ms for n rows, the first forward of each size 10 ms more."""
+def fake_forward(monkeypatch, extra):
+    """A fake forward on a fake clock (adaptive's `time`): n rows take n ms, plus extra(sizes so far, n) seconds;
+    clock.sizes lists every forward's rows."""
     import types
 
     import codespec.adaptive as adaptive
@@ -264,16 +232,33 @@ def test_a_budget_times_the_sizes_that_fit_it_and_prices_the_rest_as_dear_a_toke
             return Cache()
 
         def __call__(self, cache, tokens, n):
-            clock.now += 1e-3 * len(tokens) + (0.01 if len(tokens) not in clock.sizes else 0.0)
+            clock.now += 1e-3 * len(tokens) + extra(clock.sizes, len(tokens))
             clock.sizes.append(len(tokens))
             cache.length += len(tokens)
 
+    return Path(), clock
+
+
+def test_measured_sizes_take_turns_so_a_burst_of_load_costs_one_round_not_one_size(monkeypatch):
+    """A fake forward on a fake clock: n rows take n ms, except six calls in a row (another process's burst) that
+    take 50 ms more. Timed back to back, one size would have had all its repeats in the burst."""
+    path, clock = fake_forward(monkeypatch, lambda sizes, n: 0.05 if 6 <= len(sizes) < 12 else 0.0)
+    costs = measure_costs(path, 100, context=8, sizes=(1, 2, 4), repeats=4, longer=0)
+    assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3))
+    assert clock.sizes[1:8] == [1, 2, 4, 1, 2, 4, 1]  # (after the context's forward) every size, round by round
+
+
+def test_a_budget_times_the_sizes_that_fit_it_and_prices_the_rest_as_dear_a_token(monkeypatch):
+    """With a budget, the warm-up round stops before a size whose rounds would not fit it, fewer rounds run where
+    `repeats` would not, and the sizes not timed cost as much a token as the largest one timed (a 1.7B model's whole
+    table took 75 s). The fake forward takes n ms for n rows, the first forward of each size 10 ms more."""
+    path, clock = fake_forward(monkeypatch, lambda sizes, n: 0.01 if n not in sizes else 0.0)
     # warm-up: 1 row 11 ms, 2 rows 12 ms; 4 rows would make (23 + 24) x 3 > 100 ms: not timed
-    costs = measure_costs(Path(), 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0, budget=0.1)
+    costs = measure_costs(path, 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0, budget=0.1)
     assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3))
     assert clock.sizes[1:] == [1, 2] + [1, 2] * 3  # 100 ms / 23 ms: 3 rounds after the warm-up
     clock.sizes.clear()
-    whole = measure_costs(Path(), 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0)  # no budget: all, 6 rounds
+    whole = measure_costs(path, 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0)  # no budget: all, 6 rounds
     assert whole.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3)) and clock.sizes[1:] == [1, 2, 4, 8] * 7
 
 
