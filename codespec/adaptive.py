@@ -175,9 +175,9 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
 
     warm: list[float] = []  # round 0 warms up, and with a budget picks the sizes and the rounds that fit it
     for size in sizes:
-        guess = warm[-1] * size / sizes[len(warm) - 1] if warm else 0.0
-        if budget is not None and warm and (sum(warm) + guess) * (LEAST + 1) > budget:
-            break
+        if budget is not None and warm:  # this size guessed as dear a token as the last one timed
+            if (sum(warm) + warm[-1] * size / sizes[len(warm) - 1]) * (LEAST + 1) > budget:
+                break
         warm.append(once(size))
     timed = sizes[: len(warm)]
     if budget is not None:

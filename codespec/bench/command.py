@@ -135,8 +135,7 @@ def run(args) -> int:
     print(f"codespec: {engine.plan}", flush=True)
     # the verify-cost table now (read, or measured where none is kept: after any change to the forward's code), not
     # inside the first speculative run's time (5 s of one of the two runs of a requantized model's edit)
-    print(f"codespec: verify costs (ms by tokens) {dict(zip(engine.costs.sizes, engine.costs.to_dict()['ms']))}",
-          flush=True)
+    print(f"codespec: verify costs {json.dumps(engine.costs.to_dict())}", flush=True)  # (CODESPEC_COSTS's shape)
     configs = [c for c in runner.build_configs(quick, args.draft_max, SpecConfig(draft_max=args.draft_max),
                                                engine.model.config.num_hidden_layers) if c.name in wanted]
     out = Path(args.out)
