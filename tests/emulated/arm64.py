@@ -65,7 +65,7 @@ def prepare(folder: Path) -> None:
             (folder / f"q8-{kind.name}-{isa}.ll").write_text(text)
             cases.append({"kind": "q8", "name": f"q8-{kind.name}", "isa": isa, "needs": needs, "functions": names,
                           "columns": columns, "form": form.name})
-    text, names = attention_tiles.source(DIM, q8=None, most=attention_tiles.value_rows(False), depth_first=True)
+    text, names = attention_tiles.source(DIM, q8=None, depth_first=True, wide=False)
     (folder / "attention.ll").write_text(text)
     count = 48  # keys, a multiple of 16
     q = rng.standard_normal((3, DIM)).astype(np.float32)
@@ -252,6 +252,11 @@ def run_attention(folder: Path, case: dict) -> list[str]:
         sums = np.zeros((rows, DIM), np.float32)
         for r in range(rows):
             values_tile(address(w[r:].copy()), count, address(v), count, address(sums[r:]), 0)
+        every_row = ctypes.CFUNCTYPE(None, P, I, P, I, P, I)(addresses[index * per_kind + rows])  # values_{rows}
+        together = np.zeros((rows, DIM), np.float32)
+        every_row(address(w), count, address(v), count, address(together), 0)
+        if not np.array_equal(together, sums):
+            raise AssertionError(f"attention values, {itemsize}-byte cache: a row alone and among three differ")
         results.append(f"scores{itemsize}: {check('scores', scores, data['scores']):.1e}")
         results.append(f"values{itemsize}: {check('values', sums, data['sums']):.1e}")
     data = np.load(folder / "softmax.npz")

@@ -22,7 +22,7 @@ FORMS = [q8_tiles.Form(True), q8_tiles.Form(True, wide=True), q8_tiles.Form(Fals
 MODULES = {
     "silu": lambda: layers.SILU_IR,
     "cache attention": lambda: attention_tiles.source(64, q8=None)[0] + attention_tiles.source(  # and AVX2's
-        64, q8=None, most=attention_tiles.value_rows(False), depth_first=True)[0].removeprefix(
+        64, q8=None, depth_first=True, wide=False)[0].removeprefix(
         attention_tiles.DECLARATIONS).replace("@scores", "@avx2_scores").replace("@values", "@avx2_values").replace(
         "@softmax", "@avx2_softmax"),
     "q8 cache attention": lambda: attention_tiles.source(64, q8="avx2", most=1, depth_first=True)[0],
@@ -95,7 +95,7 @@ def test_asking_for_instructions_this_cpu_lacks_is_an_error_not_an_abort():
     assert q8_tiles.instruction_set() == ("vnni" if capabilities.host_has("avx512vnni") else
                                           "avx2" if capabilities.host_has("avx2") else None)
     assert prompt_attention.available() == capabilities.host_has("avx512bf16")
-    assert attention_tiles.kernels(64).shape[1] == 2 + attention_tiles.value_rows()
+    assert attention_tiles.kernels(64).shape[1] == 2 + attention_tiles.GROUP
     rows = attention_tiles.kernels(64).shape[0]
     assert rows == (3 if capabilities.host_has("avx2") else 2)  # the q8 cache's tiles only where they run
     assert attention_tiles.q8_instruction_set() == ("vnni" if capabilities.host_has("avx512vnni") else
@@ -178,10 +178,11 @@ def test_the_float_tiles_for_avx2_keep_their_sums_in_registers(kind):
 
 
 def test_the_attention_tiles_for_avx2_keep_fewer_sums_live_with_the_same_operations():
-    """AVX2's 16 vector registers hold one query row's four 16-lane value sums, not four rows' (value_rows), and
-    the scores tile adds each key's sums into the tree as soon as they are formed (depth first): the same
-    instructions as the tree built level by level, in another order, and the stack touched far less (measured on
-    a 2-core AVX2 host, 16 rows over 900 cached keys: a forward 50 -> 41 ms)."""
+    """AVX2's 16 vector registers hold one query row's four 16-lane value sums, not four rows': the values tile sums
+    16 dimensions of four rows at a time (value_parts), with the stack untouched; and the scores tile adds each key's
+    sums into the tree as soon as they are formed (depth first): the same instructions as the tree built level by
+    level, in another order, and the stack touched far less (measured on a 2-core AVX2 host, 16 rows over 900
+    cached keys: a forward 50 -> 41 ms)."""
     for itemsize in (4, 2):
         level, depth = (attention_tiles.scores_ir(64, itemsize, depth_first) for depth_first in (False, True))
         assert level != depth and sorted(level.splitlines()) == sorted(depth.splitlines())
@@ -190,9 +191,14 @@ def test_the_attention_tiles_for_avx2_keep_fewer_sums_live_with_the_same_operati
         assembly = native.assembly(attention_tiles.DECLARATIONS + text, AVX2)
         return assembly.split(f"{name}:")[1].split(".Lfunc_end")[0].count("(%rsp)")
 
-    assert attention_tiles.value_rows(False) == 1 and attention_tiles.value_rows(True) == attention_tiles.GROUP
-    assert stack(attention_tiles.values_ir(64, 1, 2), "values2_1") == 0 < stack(attention_tiles.values_ir(64, 2, 2),
-                                                                                "values2_2")
+    assert [attention_tiles.value_parts(64, rows, False) for rows in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert attention_tiles.value_parts(64, 4, True) == 1 and attention_tiles.value_parts(128, 1, False) == 2
+    for itemsize in (4, 2, 1):
+        for rows in range(1 if itemsize > 1 else 2, attention_tiles.GROUP + 1):  # (q8's one row: a few, as before)
+            assert native.assembly(attention_tiles.DECLARATIONS + attention_tiles.values_ir(
+                64, rows, itemsize, attention_tiles.value_parts(64, rows, False)), AVX2).count("(%rsp)") == 0
+        whole = attention_tiles.values_ir(64, attention_tiles.GROUP, itemsize)
+        assert stack(whole, f"values{itemsize}_{attention_tiles.GROUP}") > 0
     assert stack(attention_tiles.scores_ir(64, 2, True), "scores2") < 0.85 * stack(
         attention_tiles.scores_ir(64, 2, False), "scores2")
 

@@ -10,7 +10,7 @@ multiplies. Here:
   once for all the rows of a (sequence, KV head) and served from L1 after; from a float16 cache they are widened
   once per block into a 4 KB buffer, not once per row (8 sessions x 2,000 keys, one row each: 17.2 -> 15.7 ms).
 - `values`: each value row read (and, from float16, widened) once and added, times its weight, into up to four
-  query rows whose sums stay in registers (one on AVX2: `value_rows`).
+  query rows whose sums stay in registers (on AVX2 a part of their dimensions at a time: `value_parts`).
 - On AVX2 (16 vector registers, each half a 16-lane vector) `scores` forms each key's sums and adds them into the
   tree at once (ir.add_down, depth first): the same operations in another order, with few vectors live. 16 rows
   over 900 cached keys, a forward of the default model on a 2-core AVX2 host: 50 -> 41 ms.
@@ -38,16 +38,26 @@ from .ir import (EXP_DECLARATIONS, FMA, SOFTMAX_DECLARATIONS, VECTOR, add_down, 
 from .native import compile_ir
 
 DECLARATIONS = EXP_DECLARATIONS + SOFTMAX_DECLARATIONS  # (FMA's among them)
-GROUP = 4  # query rows that `values` adds into at once where their sums stay in registers (32 of AVX-512's)
+GROUP = 4  # query rows that `values` adds into at once, their sums in registers (on AVX2 a part at a time)
 
 
-def value_rows(wide_registers: bool | None = None) -> int:
-    """Query rows a `values` tile adds into at once on this CPU (or one with or without AVX-512's 32 vector
-    registers): GROUP with AVX-512; one on AVX2, whose 16 registers hold one row's four 16-lane sums (8 of them) and
-    no more (two rows' sums spilled to the stack on every value)."""
+NARROW_SUMS = 64  # floats of sums a `values` tile keeps live on AVX2 (and ARM64): 8 of its 16 registers
+
+
+def value_parts(dim: int, rows: int, wide_registers: bool | None = None) -> int:
+    """The parts a `values` tile of `rows` rows sums a head's `dim` dimensions in (values_ir): one with AVX-512's 32
+    registers; elsewhere (AVX2, ARM64), whose 16 registers hold one query row's four 16-lane sums and no more (two
+    rows' spilled to the stack on every value), the fewest that keep the rows' sums within NARROW_SUMS: for a head
+    of 64, one row whole, two rows in halves, three and four in quarters, each value row's part read once for all
+    of them. 192 query rows over 704 float32 values, a 2-core AVX2 host: 3.40 ns a row and key one row at a time,
+    2.09 four at a time in quarters (decoding, whose three rows a head split 1 : 2 between two threads, reads a
+    row's values whole: in quarters its attention took 5.5-5.8 ms a token against 4.4-5.0)."""
     if wide_registers is None:
         wide_registers = capabilities.host_has("avx512f")
-    return GROUP if wide_registers else 1
+    chunks = dim // 16
+    if wide_registers:
+        return 1
+    return next(p for p in range(1, chunks + 1) if chunks % p == 0 and (dim // p * rows <= NARROW_SUMS or p == chunks))
 
 
 ELEMENTS = {4: ("float", VECTOR), 2: ("half", "<16 x half>"), 1: ("i8", "<16 x i8>")}  # cache element bytes: LLVM
@@ -236,15 +246,32 @@ def scores_q8_ir(dim: int, isa: str = "vnni") -> str:
                    "  br i1 %bd, label %exit, label %block\nexit:\n  ret void\n}\n")
 
 
-def values_ir(dim: int, rows: int, itemsize: int) -> str:
+def values_ir(dim: int, rows: int, itemsize: int, parts: int = 1) -> str:
     """@values{itemsize}_{rows}(w, width, v, count, out, more): out[r] = sum_j w[r * width + j] v[j] for `rows` rows
     and j < count, in order of j (v [count, dim] of the cache's elements, for q8 each row's integers and scale; out
     [rows, dim] float32). With `more` not 0 the sums go on from out's: two calls over keys 0..n and n..count (from
-    two caches: attention.py's shared prefixes) add exactly what one call over 0..count adds, in the same order."""
+    two caches: attention.py's shared prefixes) add exactly what one call over 0..count adds, in the same order.
+    With `parts` > 1 the dimensions are summed in that many parts, each over all the keys in a loop of its own
+    (_values_part): each element's sum is the same FMAs in the same order, with fewer sums live at once."""
+    name = f"values{itemsize}_{rows}"
+    if parts == 1:
+        return _values_part(name, "", dim, rows, itemsize, 0, dim)
+    span = dim // parts
+    calls = "".join(f"  call void @{name}.p{part}(ptr %w, i64 %width, ptr %v, i64 %count, ptr %out, i64 %more)\n"
+                    for part in range(parts))
+    return ("".join(_values_part(f"{name}.p{part}", "internal ", dim, rows, itemsize, part * span, span)
+                    for part in range(parts))
+            + f"define void @{name}(ptr noalias %w, i64 %width, ptr noalias %v, i64 %count, ptr noalias %out, "
+            f"i64 %more) {{\nentry:\n{calls}  ret void\n}}\n")
+
+
+def _values_part(name: str, linkage: str, dim: int, rows: int, itemsize: int, first: int, span: int) -> str:
+    """values_ir's @name over dimensions first..first + span (a multiple of 16) of each row."""
     scalar, _ = ELEMENTS[itemsize]
-    chunks = dim // 16
-    text = (f"define void @values{itemsize}_{rows}(ptr noalias %w, i64 %width, ptr noalias %v, i64 %count, "
-            "ptr noalias %out, i64 %more) {\nentry:\n" + initial_sums(rows, chunks, dim, "%more")
+    chunks = span // 16
+    text = (f"define {linkage}void @{name}(ptr noalias %w, i64 %width, ptr noalias %v, i64 %count, "
+            f"ptr noalias %out.row, i64 %more) {{\nentry:\n"
+            f"  %out = getelementptr float, ptr %out.row, i64 {first}\n" + initial_sums(rows, chunks, dim, "%more")
             + "  %none = icmp eq i64 %count, 0\n"
             "  br i1 %none, label %store, label %loop\nloop:\n  %j = phi i64 [ 0, %entry ], [ %j.next, %loop ]\n")
     text += running_sums(rows, chunks, "%loop", "i")
@@ -252,7 +279,7 @@ def values_ir(dim: int, rows: int, itemsize: int) -> str:
     if itemsize == 1:
         text += "  %vrow = getelementptr i8, ptr %v, i64 %vo\n" + _scale("vs", "%vrow", dim)
     for c in range(chunks):
-        text += (f"  %vo{c} = add i64 %vo, {c * 16}\n  %vp{c} = getelementptr {scalar}, ptr %v, i64 %vo{c}\n"
+        text += (f"  %vo{c} = add i64 %vo, {first + c * 16}\n  %vp{c} = getelementptr {scalar}, ptr %v, i64 %vo{c}\n"
                  + _load(f"vf{c}", f"%vp{c}", itemsize, "%vs"))
     for r in range(rows):
         text += (f"  %wr{r} = mul i64 %width, {r}\n  %wo{r} = add i64 %wr{r}, %j\n"
@@ -279,24 +306,25 @@ def q8_instruction_set() -> str | None:
 
 @functools.cache
 def kernels(dim: int) -> np.ndarray:
-    """The addresses of @scores, @softmax and @values_1..value_rows() for head size `dim`, compiled for this CPU:
+    """The addresses of @scores, @softmax and @values_1..GROUP for head size `dim`, compiled for this CPU:
     row 0 for float32 caches, row 1 for float16 ones, and for head sizes that are a multiple of 64 on CPUs with
     AVX2 or AVX512-VNNI row 2 for q8 ones (the softmax is the same in every row)."""
     q8 = q8_instruction_set() if dim % 64 == 0 else None  # heads a multiple of 64
     wide = capabilities.host_has("avx512f")
-    most = value_rows(wide)
-    text, names = source(dim, q8, most, depth_first=not wide)
+    text, names = source(dim, q8, GROUP, depth_first=not wide, wide=wide)
     kernel = {None: "cache attention", "avx2": "q8 cache attention", "vnni": "q8 cache attention, vnni",
               "sdot": "q8 cache attention, sdot"}[q8]
     addresses = compile_ir(text, names, kernel)
-    tiles = addresses[:-1].reshape(-1, 1 + most)
+    tiles = addresses[:-1].reshape(-1, 1 + GROUP)
     return np.insert(tiles, 1, addresses[-1], axis=1)
 
 
-def source(dim: int, q8: str | None, most: int = GROUP, depth_first: bool = False) -> tuple[str, list[str]]:
+def source(dim: int, q8: str | None, most: int = GROUP, depth_first: bool = False,
+           wide: bool = True) -> tuple[str, list[str]]:
     """The IR module of the tiles for head size `dim` (with the q8 cache's in instruction set q8, "vnni" or "avx2",
-    when given), their values tiles for 1..`most` rows, their scores tiles' sums added down depth first or not
-    (scores_ir), and the softmax (last), and their names."""
+    when given), their values tiles for 1..`most` rows (in value_parts' parts for a CPU with AVX-512's registers or
+    without: `wide`), their scores tiles' sums added down depth first or not (scores_ir), and the softmax (last),
+    and their names."""
     if dim % 16:
         raise ValueError(f"the attention tiles need a head size that is a multiple of 16, not {dim}")
     sizes = (4, 2, 1) if q8 else (4, 2)
@@ -307,7 +335,8 @@ def source(dim: int, q8: str | None, most: int = GROUP, depth_first: bool = Fals
                            "declare i32 @llvm.vector.reduce.add.v4i32(<4 x i32>)\n"}[q8]
     text = (DECLARATIONS + declaration
             + "".join((scores_ir(dim, size, depth_first) if size > 1 else scores_q8_ir(dim, q8))
-                      + "".join(values_ir(dim, rows, size) for rows in range(1, most + 1)) for size in sizes)
+                      + "".join(values_ir(dim, rows, size, value_parts(dim, rows, wide)) for rows in range(1, most + 1))
+                      for size in sizes)
             + softmax_ir("softmax", bfloat16=False))
     names = [f"{kind}{size}{suffix}" for size in sizes
              for kind, suffix in [("scores", "")] + [("values", f"_{rows}") for rows in range(1, most + 1)]]
