@@ -44,7 +44,7 @@ GROUP = 4  # query rows that `values` adds into at once, their sums in registers
 NARROW_SUMS = 64  # floats of sums a `values` tile keeps live on AVX2 (and ARM64): 8 of its 16 registers
 
 
-def value_parts(dim: int, rows: int, wide_registers: bool | None = None) -> int:
+def value_parts(dim: int, rows: int, wide_registers: bool) -> int:
     """The parts a `values` tile of `rows` rows sums a head's `dim` dimensions in (values_ir): one with AVX-512's 32
     registers; elsewhere (AVX2, ARM64), whose 16 registers hold one query row's four 16-lane sums and no more (two
     rows' spilled to the stack on every value), the fewest that keep the rows' sums within NARROW_SUMS: for a head
@@ -52,11 +52,9 @@ def value_parts(dim: int, rows: int, wide_registers: bool | None = None) -> int:
     of them. 192 query rows over 704 float32 values, a 2-core AVX2 host: 3.40 ns a row and key one row at a time,
     2.09 four at a time in quarters (decoding, whose three rows a head split 1 : 2 between two threads, reads a
     row's values whole: in quarters its attention took 5.5-5.8 ms a token against 4.4-5.0)."""
-    if wide_registers is None:
-        wide_registers = capabilities.host_has("avx512f")
-    chunks = dim // 16
     if wide_registers:
         return 1
+    chunks = dim // 16
     return next(p for p in range(1, chunks + 1) if chunks % p == 0 and (dim // p * rows <= NARROW_SUMS or p == chunks))
 
 

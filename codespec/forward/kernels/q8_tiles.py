@@ -445,7 +445,8 @@ EVERY_ROW = {"avx2": _avx2_sums}  # every row's sums, a half step at a time
 ISAS = {  # the integer dot products' instruction sets: their entries in the capability table, the most rows a tile takes
     "vnni": ("q8 block tiles, vnni", 8),  # AVX512-VNNI's vpdpbusd: 32 registers of 16 lanes
     "avx2": ("q8 block tiles", 4),  # AVX2's vpmaddubsw and vpmaddwd (x86-64-v3): 16 registers of 8 lanes; 2 and 8
-    # rows measured slower over 4 and 16 rows (the Qwen2.5-Coder-0.5B shape's MLP, 2-core AVX2)
+    # rows measured slower over 4 and 16 rows (the Qwen2.5-Coder-0.5B shape's MLP, 2-core AVX2); 3 for forms without
+    # planes since the tiles run by halves (most_rows)
     "i8mm": ("q8 block tiles, i8mm", 4),  # ARM64's smmla (the int8 matrix multiply: Apple M2 on, Graviton 3 on),
     # two rows at a time: run emulated only (tests/emulated/arm64.py), not yet timed
     "neon": ("q8 block tiles, neon", 4),  # ARM64's sdot (the dot-product extension: Apple M1 on, Neoverse N1 on):
