@@ -195,15 +195,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def quiet_libraries() -> None:
-    """transformers' own progress bars and warnings would bury our one-line messages."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
+    """transformers' own progress bars and warnings would bury our one-line messages. Said through the environment,
+    which transformers and huggingface_hub read when imported (importing them here took ~1 s of every start, and a
+    GGUF read directly never imports them), and to them directly where a caller imported them already."""
+    for name, value in (("TOKENIZERS_PARALLELISM", "false"), ("TRANSFORMERS_VERBOSITY", "error"),
+                        ("HF_HUB_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+        os.environ.setdefault(name, value)
+    if "transformers" in sys.modules:  # (imported already, by a caller of `main`: told directly)
         from transformers.utils import logging
 
         logging.set_verbosity_error()
         logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
         from huggingface_hub.utils import logging as hub_logging
 
         hub_logging.set_verbosity_error()
-    except ImportError:
-        pass

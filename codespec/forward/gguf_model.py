@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -105,13 +106,13 @@ def placeholder(shape) -> torch.nn.Parameter:
 
 def saved_tokenizer(folder: Path, config):
     """The tokenizer saved in `folder`: where transformers saved it as its own class for a tokenizer.json
-    (TokenizersBackend, as the default model's is), that class directly; AutoTokenizer looks the class up in a table
-    it builds by reading every model's source files, 1 s of every load. Other classes (Qwen2Tokenizer builds its
-    pipeline anew, and encodes otherwise than the saved file read plainly) through AutoTokenizer."""
-    if json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class") == "TokenizersBackend":
-        from transformers import PreTrainedTokenizerFast
+    (TokenizersBackend, as the default model's is), read without transformers (tokenizer.SavedTokenizer: importing
+    transformers took ~1 s of every start). Other classes (Qwen2Tokenizer builds its pipeline anew, and encodes
+    otherwise than the saved file read plainly) through AutoTokenizer."""
+    from .tokenizer import SavedTokenizer, readable
 
-        return PreTrainedTokenizerFast.from_pretrained(folder)
+    if readable(folder):
+        return SavedTokenizer(folder)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, config=config)
@@ -119,9 +120,10 @@ def saved_tokenizer(folder: Path, config):
 
 def metadata(path: Path, folder: Path):
     """(config, tokenizer) of the GGUF at `path`: from `folder` when saved there, else built by transformers from the
-    file's metadata and saved there (the first load). The config is transformers' base class holding the saved
-    fields: its Llama and Qwen classes (and AutoConfig, and AutoTokenizer without a config) import
-    torch.distributed.tensor and torch._dynamo, 1.7 s of every load."""
+    file's metadata and saved there (the first load), then read back as a later load reads them, so that every load
+    tokenizes alike. The config is a SavedConfig holding the saved fields: transformers' Llama and Qwen classes (and
+    AutoConfig, and AutoTokenizer without a config) import torch.distributed.tensor and torch._dynamo, 1.7 s of every
+    load, and transformers itself ~1 s."""
     stamp = folder / "source.json"
     if stamp.is_file():
         try:
@@ -156,19 +158,31 @@ def metadata(path: Path, folder: Path):
         config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         stamp.write_text(json.dumps({"gguf": str(path)}))
+        tokenizer = saved_tokenizer(folder, config)
     except OSError:
         pass  # a read-only cache: built from the file again next time
     return named(config.to_dict(), folder), tokenizer
 
 
-def named(fields: dict, folder: Path):
-    """transformers' base config class holding `fields`, named by `folder` (one per GGUF) on the first load as on
-    later ones: adaptive's cost table is kept per name, and a config built from the file carries the name of the
-    file's own directory, which every GGUF in it shares (a first run measured the table under that name, the second
-    run again under the folder's)."""
-    from transformers import PretrainedConfig
+def named(fields: dict, folder: Path) -> "SavedConfig":
+    """The saved `fields` as a config named by `folder` (one per GGUF) on the first load as on later ones: adaptive's
+    cost table is kept per name, and a config built from the file carries the name of the file's own directory,
+    which every GGUF in it shares (a first run measured the table under that name, the second run again under the
+    folder's)."""
+    return SavedConfig(**(fields | {"_name_or_path": str(folder)}))
 
-    return PretrainedConfig(**(fields | {"_name_or_path": str(folder)}))
+
+class SavedConfig(SimpleNamespace):
+    """A model's config as transformers saved it: its fields as attributes (what the plan and the lean forward read;
+    a field it lacks raises AttributeError, so getattr's defaults apply), without transformers' config classes.
+    transformers' own model of it (DirectModel.transformers, materialized) is built from `to_dict()`."""
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+    @property
+    def name_or_path(self) -> str:
+        return self._name_or_path
 
 
 class Held(torch.nn.Module):
@@ -251,7 +265,7 @@ class DirectModel(torch.nn.Module):
         if shared is None:
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            config = AutoConfig.for_model(**self.config.to_dict() | {"model_type": self.config.model_type})
+            config = AutoConfig.for_model(**self.config.to_dict())
             with torch.device("meta"):  # (no weights of its own: this model's are assigned below)
                 shared = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
             shared.load_state_dict(dict(self.named_parameters(remove_duplicate=False)), strict=True, assign=True)
@@ -401,7 +415,7 @@ def materialized(model):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = model.gguf_direct
-    fields = model.config.to_dict() | {"model_type": model.config.model_type}  # (the base class's to_dict says "")
+    fields = model.config.to_dict()
     fresh = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
     small = {name: p for name, p in model.named_parameters() if p.untyped_storage().nbytes() > 4}
     fresh.load_state_dict(small, strict=False)

@@ -20,8 +20,9 @@ Two paths share one small interface (`new_cache()`, `__call__(cache, ids, logits
   a copy of the projections in bfloat16 instead, in a forward of their own (--prompt-precision). With q8
   activations (q8_tiles.py; the default on x86 CPUs with AVX2) every forward runs in numba, prompts included, and
   every sequence but a prompt chunk attends in attention.py's kernel: verifies of any length are batch-invariant.
-- `TransformersForward` runs anything else through the model's own forward with transformers' cache,
-  built so that a rollback works on every layer type (`TransformersCache`).
+- `TransformersForward` (transformers_forward.py, imported only where it runs: transformers takes ~1 s to import)
+  runs anything else through the model's own forward with transformers' cache, built so that a rollback works on
+  every layer type (`TransformersCache`).
 
 plan.py decides which path runs (and how); `build(plan, model)` makes it, `forward_path(model)` does both.
 """
@@ -36,8 +37,6 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..errors import CodespecError
 from .kernels import attention, block_tiles, layers, prompt_attention, q8_tiles
@@ -457,68 +456,6 @@ def compiled_layers():
     return _COMPILED[0]
 
 
-class TransformersCache(DynamicCache):
-    """transformers' own cache, built so that `crop(n)` keeps its promise for every n.
-
-    transformers gives sliding-window (and chunked) attention layers a cache that keeps only the window, which
-    cannot be rolled back once full: the first rejected draft past the window would raise. Here those layers
-    keep their whole history like any other attention layer; the model's attention mask still limits each one
-    to its window, so the logits are the same. The price is memory: the full context on those layers too.
-
-    Layers with recurrent state (linear attention, convolutions) cannot be rolled back at all. For such a model
-    `rewindable` is False and a crop below the length empties the cache, so the session computes its history
-    again: still correct, but every rejected draft would cost a whole prefill, so the engine does not speculate
-    on such a model (Engine.session)."""
-
-    def __init__(self, config):
-        super().__init__(config=config)
-        self.config = config
-        self.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
-                       for layer in self.layers]
-        self.rewindable = all(type(layer) in (DynamicLayer, DummyLayer) for layer in self.layers)
-
-    @property
-    def length(self) -> int:
-        return self.get_seq_length()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for t in (getattr(layer, "keys", None),
-                                                               getattr(layer, "values", None))
-                   if isinstance(t, torch.Tensor))
-
-    def crop(self, new_len: int) -> None:
-        if new_len >= self.length:
-            return
-        if self.rewindable:
-            super().crop(new_len - self.length)  # transformers 5: a negative count removes that many
-        else:  # state that cannot be taken back: start again (the session re-feeds history[:new_len])
-            self.layers = TransformersCache(self.config).layers
-
-
-class TransformersForward:
-    """The model's own forward; any architecture transformers runs as a causal LM with a cache."""
-
-    def __init__(self, model):
-        self.model = model
-        self.config = model.config
-        self.rewindable = self.new_cache().rewindable
-
-    def new_cache(self) -> TransformersCache:
-        return TransformersCache(self.model.config)
-
-    @torch.no_grad()
-    def __call__(self, cache: TransformersCache, input_ids: list[int], logits_to_keep: int) -> torch.Tensor:
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.model.device)  # [1, q]
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
-        return out.logits[0]
-
-    def batch(self, rows: list[Rows]) -> list[torch.Tensor]:
-        """One forward per sequence: transformers' caches of different lengths do not stack without padding
-        every row and mask, which most architectures' cache classes do not support for rollback."""
-        return [self(r.cache, r.ids, r.keep) for r in rows]
-
-
 def q8_available() -> bool:
     """Whether this CPU has the instructions the q8 activations' kernels need (AVX2 or AVX512-VNNI)."""
     return q8_tiles.available()
@@ -546,4 +483,6 @@ def build(plan: ForwardPlan, model, context: int = 0):
         return GraphLlama(LeanLlama(model, cache_type="f32", prompt_precision="float32"), context)
     if plan.path == "lean":
         return LeanLlama(model, plan)
+    from .transformers_forward import TransformersForward
+
     return TransformersForward(model)

@@ -236,3 +236,24 @@ def test_cli_weights_gguf_and_its_one_line_errors(tmp_path):
     assert wrong.returncode != 0 and wrong.stderr.strip().splitlines() == [
         "codespec: error: --weights gguf runs on CPUs in float32 (--device cpu --dtype float32), with numba's "
         "OpenMP pool (the system's libgomp)"]
+
+
+def test_the_default_models_tokenizer_is_read_without_transformers_and_answers_as_transformers_does(tmp_path):
+    """A load reads the tokenizer saved on the first load with the `tokenizers` library alone (SavedTokenizer, in
+    the first load too, so that every load tokenizes alike), answering as transformers' tokenizer of the GGUF's own
+    metadata does, on code, prose and the chat template."""
+    from transformers import AutoTokenizer
+
+    from codespec.forward import gguf_model
+    from codespec.forward.models import locate_default_gguf
+    from codespec.forward.tokenizer import SavedTokenizer
+    from tests.unit.test_tokenizer import CHATS, TEXTS, compare
+
+    path = locate_default_gguf()
+    _, first = gguf_model.metadata(path, tmp_path / "meta")
+    _, again = gguf_model.metadata(path, tmp_path / "meta")
+    assert isinstance(first, SavedTokenizer) and isinstance(again, SavedTokenizer)
+    from_file = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = TEXTS + [inspect.getsource(textwrap)] + [prompt for prompt, _ in PROMPTS.values()]
+    chats = CHATS + [[{"role": "user", "content": edit_prompt()}]]
+    compare(again, from_file, texts, chats)
