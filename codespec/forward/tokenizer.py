@@ -4,7 +4,7 @@ model's is), read with the `tokenizers` library and its chat template rendered w
 Importing transformers takes ~1 s of every start (it reads its every model's source files to build its lazy
 namespace), more than a second `codespec generate` spends generating; a GGUF read directly needs nothing else of
 it. `SavedTokenizer` answers what codespec asks of a tokenizer (calling it, decode, the vocabulary and its special
-tokens, the chat template) as transformers' class answers it: tests/test_tokenizer.py checks them side by side.
+tokens, the chat template) as transformers' class answers it: tests/unit/test_tokenizer.py checks them side by side.
 
 The chat template is untrusted code from the model file: it runs in jinja2's immutable sandbox with what
 transformers' renderer gives a template (`tojson`, `raise_exception`, `strftime_now`, loop controls, a
