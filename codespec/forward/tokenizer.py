@@ -13,6 +13,7 @@ transformers' renderer gives a template (`tojson`, `raise_exception`, `strftime_
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from pathlib import Path
 
@@ -40,7 +41,8 @@ class SavedTokenizer:
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.special_tokens_map = {name: _content(config[name]) for name in NAMED if config.get(name) is not None}
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
-        self.extra_special_tokens = [_content(token) for token in (extra.values() if isinstance(extra, dict) else extra)]
+        extra = extra.values() if isinstance(extra, dict) else extra
+        self.extra_special_tokens = [_content(token) for token in extra]
         if self.extra_special_tokens:
             self.special_tokens_map["additional_special_tokens"] = list(self.extra_special_tokens)
         template = folder / "chat_template.jinja"
@@ -49,6 +51,10 @@ class SavedTokenizer:
             token = self.special_tokens_map.get(name)
             setattr(self, name, token)
             setattr(self, f"{name}_id", None if token is None else self.backend_tokenizer.token_to_id(token))
+        # the named special tokens, then the extra ones, each once (transformers' order); fixed once saved
+        named = [self.special_tokens_map[name] for name in NAMED if name in self.special_tokens_map]
+        self.all_special_tokens = list(dict.fromkeys(named + self.extra_special_tokens))
+        self.all_special_ids = [self.backend_tokenizer.token_to_id(token) for token in self.all_special_tokens]
 
     # ---- the vocabulary
 
@@ -66,16 +72,6 @@ class SavedTokenizer:
     @property
     def added_tokens_decoder(self) -> dict:
         return self.backend_tokenizer.get_added_tokens_decoder()
-
-    @property
-    def all_special_tokens(self) -> list[str]:
-        """The named special tokens, then the extra ones, each once (transformers' order)."""
-        named = [self.special_tokens_map[name] for name in NAMED if name in self.special_tokens_map]
-        return list(dict.fromkeys(named + self.extra_special_tokens))
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        return [self.backend_tokenizer.token_to_id(token) for token in self.all_special_tokens]
 
     def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
         if isinstance(ids, int):
@@ -107,8 +103,9 @@ class SavedTokenizer:
         """(transformers cleans up spaces only for WordPiece-like models: never for BPE, the GGUF tokenizers' model.)"""
         ids = [ids] if isinstance(ids, int) else list(ids)
         text = self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
-        if clean and type(self.backend_tokenizer.model).__name__ != "BPE":
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        if clean_up_tokenization_spaces and type(self.backend_tokenizer.model).__name__ != "BPE":
             for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
                                   (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
                 text = text.replace(before, after)
@@ -125,8 +122,8 @@ class SavedTokenizer:
         if not messages:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
         text = _compiled(self.chat_template).render(
-            messages=[_message(m) for m in _plain(list(messages))], tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-            **_plain(self.special_tokens_map | kwargs))
+            messages=[_message(m) for m in _plain(list(messages))], tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **_plain(self.special_tokens_map | kwargs))
         if not tokenize:
             return text
         ids = self.encode(text, add_special_tokens=False)
@@ -175,15 +172,10 @@ def _plain(value):
     return f"<{type(value).__name__}>"
 
 
-_TEMPLATES: dict = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _compiled(template: str):
     """The template compiled in the sandbox (kept: a server renders one template per request)."""
-    compiled = _TEMPLATES.get(template)
-    if compiled is None:
-        compiled = _TEMPLATES[template] = _environment().from_string(template)
-    return compiled
+    return _environment().from_string(template)
 
 
 def _environment():
@@ -232,6 +224,7 @@ def _environment():
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=[Generation, jinja2.ext.loopcontrols])
     environment.filters["tojson"] = tojson
+
     class Dict:
         """`dict(...)` and `dict.fromkeys(...)` for templates, without the type itself."""
 
