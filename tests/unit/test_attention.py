@@ -244,3 +244,61 @@ def test_a_forked_cache_reads_its_prompt_from_the_source_and_gets_the_bits_of_it
     assert fork.shared_prefix() == (source, 96)
     fork.changed(10)
     assert fork.shared_prefix() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+def test_alternatives_of_a_prompt_attend_as_one_unit_and_each_row_gets_the_bits_it_gets_alone(dtype):
+    """A source and the alternatives forked from it (Session.fork) read one prompt: make_table puts them in one unit
+    (adjacent entries, score rows by head, the source reading the prompt from its own cache), whose rows score the
+    prompt's keys in one tile call and weigh its values GROUP rows at a time whichever alternative each row is of.
+    Every row, for any number of threads (parts cutting through the alternatives' rows), gets the bits it gets when
+    its sequence is alone in the forward, reading only its own cache; an alternative past what it shares with the
+    source (a shorter shared count) is a unit of its own."""
+    if dtype == torch.int8 and attention.attention_tiles.q8_instruction_set() is None:
+        pytest.fail("this CPU runs no q8 cache attention")
+    torch.manual_seed(5)
+    layers, heads, kv_heads, dim, prompt = 2, 9, 3, 64, 300
+    source = _filled(layers, kv_heads, dim, dtype)
+    forks = [StaticCache(layers, kv_heads, dim, 1024, dtype, "cpu") for _ in range(4)]
+    alone = [_filled(layers, kv_heads, dim, dtype) for _ in forks]
+    for fork, copy, length in zip(forks, alone, (prompt, prompt + 7, prompt + 30, prompt)):
+        copy.keys[:, :, :prompt] = source.keys[:, :, :prompt]
+        copy.values[:, :, :prompt] = source.values[:, :, :prompt]
+        fork.keys.copy_(copy.keys)
+        fork.values.copy_(copy.values)
+        fork.follow(source, prompt)
+        fork.length = copy.length = length
+    forks[3].changed(100)  # rewrote its copy from 100 on: it shares 96 positions, alone in a unit
+    source.length = prompt + 5
+    counts = [2, 1, 3, 8, 2]  # the source's rows, then each fork's
+    batch = [source, *forks]
+    qk = torch.randn(sum(counts), heads + kv_heads, dim) / dim ** 0.5
+    v = torch.randn(sum(counts), kv_heads, dim)
+    firsts = list(itertools.accumulate(counts, initial=0))[:-1]
+    table = attention.make_table([Rows(c, [0] * n, n) for c, n in zip(batch, counts)], firsts, heads)
+    prefix = prompt // 16 * 16
+    assert table[:, 12].tolist() == [0, 0, 0, 0, 4] and table[:, 13].tolist() == [14, 14, 14, 14, 2]
+    assert table[:, 14].tolist() == [0, 2, 3, 6, 0] and table[:, 11].tolist() == [prefix] * 4 + [96]
+    width = attention.padded_width(max(c.length + n for c, n in zip(batch, counts)))
+    expected = []  # each sequence alone (the source too), from its own cache's copy
+    source_copy = _filled(layers, kv_heads, dim, dtype)
+    source_copy.keys.copy_(source.keys)
+    source_copy.values.copy_(source.values)
+    source_copy.length = source.length
+    for cache, first, count in zip([source_copy, *alone], firsts, counts):
+        length = cache.length
+        out = torch.full((count, heads, dim), float("nan"))
+        own = attention.make_table([Rows(cache, [0] * count, count)], [0], heads)
+        assert own[0, 11].item() == 0
+        torch.ops.codespec.cached_attention(qk[first : first + count].contiguous(), v[first : first + count].contiguous(),
+                                            out, own, 1, heads, kv_heads, heads * count, width)
+        cache.length = length
+        expected.append(out)
+    expected = torch.cat(expected)
+    assert not expected.isnan().any()
+    for threads in (1, 2, 3, 7):
+        scores, weights = (torch.empty(heads * sum(counts), width) for _ in range(2))
+        out = torch.full((sum(counts), heads, dim), float("nan"))
+        attention._attend(qk.numpy(), v.numpy(), table.numpy(), 1, heads, kv_heads, scores.numpy(), weights.numpy(),
+                          out.numpy(), attention.attention_tiles.kernels(dim), threads)
+        assert torch.equal(out, expected)

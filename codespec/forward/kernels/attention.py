@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
 import threading
 
@@ -46,10 +47,14 @@ from .native import call
 
 FEW_ROWS = 16  # sequences with at most this many rows in a forward come here (measured, 30 layers at 1,000 and
 # 2,600 cached tokens: up to 16 rows the kernel beats PyTorch's attention; at 32 and 64 rows it does not)
-COLUMNS = 12  # the table: key address, value address, capacity, first row, start, count, first score row, bytes
+COLUMNS = 15  # the table: key address, value address, capacity, first row, start, count, first score row, bytes
 # per cache element (4: float32, 2: float16, --cache-type f16, 1: q8, whose rows hold dim integers and a scale),
 # then a shared prefix (StaticCache.shared_prefix): another cache's key address, value address and capacity, and the
-# count of positions read from it (a multiple of 16; 0: none)
+# count of positions read from it (a multiple of 16; 0: none); then the unit it attends in (make_table): the table
+# index of the unit's first sequence, the unit's query positions (its sequences' counts added) and this sequence's
+# offset among them. A unit is one sequence, or the sequences that read one shared prefix (alternatives of a
+# prompt, the source among them), whose rows score and weigh that prefix together: its keys widened and its values
+# read once for all their rows, not once a sequence.
 
 
 @intrinsic
@@ -82,13 +87,30 @@ def _row_bytes(itemsize, dim):
 
 @numba.njit(inline="always", cache=True)
 def _task(table, task, layer, kv_heads, group, dim):
-    """A kernel task's (sequence s, KV head h): its first row in qk/out, start position, row count, query rows
-    (count x group), first score row, and the byte offset of this layer and head in its caches."""
+    """A (sequence s, KV head h)'s first row in qk/out, start position, row count, query rows (count x group),
+    first score row, and the byte offset of this layer and head in its caches. A unit's score rows for head h are
+    its sequences' rows in turn: [unit first row + h x unit rows, + unit rows)."""
     s, h = task // kv_heads, task % kv_heads
     capacity, first, start, count = table[s, 2], table[s, 3], table[s, 4], table[s, 5]
     rows = count * group
     row_bytes = _row_bytes(table[s, 7], dim)
-    return (s, h, first, start, count, rows, table[s, 6] + h * rows, (layer * kv_heads + h) * capacity * row_bytes)
+    return (s, h, first, start, count, rows, table[s, 6] + (h * table[s, 13] + table[s, 14]) * group,
+            (layer * kv_heads + h) * capacity * row_bytes)
+
+
+@numba.njit(cache=True)
+def _units(table):
+    """The table index of each unit's first sequence (make_table: a unit's sequences are adjacent)."""
+    return np.array([s for s in range(table.shape[0]) if table[s, 12] == s], dtype=np.int64)
+
+
+@numba.njit(inline="always", cache=True)
+def _member(table, unit, i, group):
+    """The sequence of a unit (its first at table index `unit`) whose query rows hold the unit's row i."""
+    s = unit
+    while s + 1 < table.shape[0] and table[s + 1, 12] == unit and table[s + 1, 14] * group <= i:
+        s += 1
+    return s
 
 
 @intrinsic
@@ -162,19 +184,27 @@ SPLIT_ROWS = 12  # a (sequence, KV head) with at least this many query rows may 
 # split reads its keys once per part for little work: decoding's 3 rows a head stay whole)
 
 
+@numba.njit(inline="always", cache=True)
+def _own(table, s, column, layer, kv_heads, h, row_bytes):
+    """The address of sequence s's own keys (column 0) or values (1) at `layer`, head h, past its shared prefix."""
+    return table[s, column] + ((layer * kv_heads + h) * table[s, 2] + table[s, 11]) * row_bytes
+
+
 @numba.njit(fastmath=False, cache=True)
 def schedule(table, kv_heads, group, threads):
-    """`_attend`'s tasks in order, each a part of a (sequence, KV head) pair's query rows: [tasks, 3] = (pair, part,
-    parts). numba's parallel loop hands each thread an equal run of consecutive tasks, so the pairs are shared out
-    evenly: where they do not divide between the threads, every pair is split into `threads` parts if the longest
-    has SPLIT_ROWS rows or more (one sequence of the default model: 3 KV heads on 2 threads, one thread did two
-    heads' work while the other waited: 16 rows at 660 cached keys, 6.6 -> 5.0 ms a forward); with fewer rows
-    (decoding) only the pairs left over are, each thread's run ending with one part of each (decoding one sequence
-    at 1,500 cached keys: the threads' shares 2 : 1 pairs -> 1.5 : 1.5, each part reading the pair's keys)."""
+    """`_attend`'s tasks in order, each a part of a (unit, KV head) pair's query rows: [tasks, 3] = (pair, part,
+    parts), pair = unit index x kv_heads + head (units: `_units`). numba's parallel loop hands each thread an equal
+    run of consecutive tasks, so the pairs are shared out evenly: where they do not divide between the threads,
+    every pair is split into `threads` parts if the longest has SPLIT_ROWS rows or more (one sequence of the default
+    model: 3 KV heads on 2 threads, one thread did two heads' work while the other waited: 16 rows at 660 cached
+    keys, 6.6 -> 5.0 ms a forward); with fewer rows (decoding) only the pairs left over are, each thread's run ending
+    with one part of each (decoding one sequence at 1,500 cached keys: the threads' shares 2 : 1 pairs -> 1.5 : 1.5,
+    each part reading the pair's keys)."""
+    units = _units(table)
     most = 0
-    for s in range(table.shape[0]):
-        most = max(most, table[s, 5] * group)
-    pairs = table.shape[0] * kv_heads
+    for unit in units:
+        most = max(most, table[unit, 13] * group)
+    pairs = units.shape[0] * kv_heads
     over = pairs % threads
     if over and most >= SPLIT_ROWS:
         tasks = np.empty((pairs * threads, 3), dtype=np.int64)
@@ -196,19 +226,19 @@ def schedule(table, kv_heads, group, threads):
 
 @numba.njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
 def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels, threads):
-    """Attention of every (sequence, KV head) in `table` at `layer`: writes the sequences' new keys (from qk [rows,
+    """Attention of every (unit, KV head) in `table` at `layer`: writes the sequences' new keys (from qk [rows,
     heads + kv_heads, dim]) and values (v [rows, kv_heads, dim]) into their caches, then, a part of a pair's query
     rows a task (`schedule`, for `threads` threads), scores each row against the keys (attention_tiles' tile, 16 keys
     at a time: keys are read up to the next multiple of 16, which a cache's capacity holds), takes each row's softmax
     over the keys up to its position (attention_tiles' softmax, whose sums' order no inlining can change), and adds
     the rows' weighted values into out [rows, heads, dim]. Each row goes through the same instructions whichever
-    part it falls in. Score rows of sequence s, KV head h: table[s, 6] + h * count * group + i * group + g,
-    scores.shape[1] (a multiple of 16) wide.
+    part, unit or tile call it falls in.
     A sequence with a shared prefix (table[s, 11] positions, a multiple of 16) reads those keys and values from the
     other cache (the same bits: StaticCache.shared_prefix), the rest from its own: its scores are key by key, and its
     values tile goes on from the prefix's sums (attention_tiles.values_ir), so each row gets the bits it gets from
-    its own cache alone. Forked alternatives read their prompt's keys from one copy, which the other threads' tasks
-    of the same layer then find in the last-level cache."""
+    its own cache alone. The sequences of a unit share that prefix: one tile call scores all their rows of a part
+    against it, and values tiles take up to GROUP of their rows at a time over it, whichever sequence each is of;
+    then each sequence's own keys and values follow for its rows."""
     dim = qk.shape[2]
     group = heads // kv_heads
     width = scores.shape[1]
@@ -216,50 +246,63 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels,
         s, h, first, start, count, rows, base, offset = _task(table, task, layer, kv_heads, group, dim)
         _write(table[s, 0] + offset, table[s, 1] + offset, table[s, 7], qk[first : first + count, heads + h],
                v[first : first + count, h], start, dim)
+    units = _units(table)
     tasks = schedule(table, kv_heads, group, threads)
     for task in prange(tasks.shape[0]):
         pair, part, split = tasks[task, 0], tasks[task, 1], tasks[task, 2]
-        s, h, first, start, count, rows, base, offset = _task(table, pair, layer, kv_heads, group, dim)
-        low, high = rows * part // split, rows * (part + 1) // split  # this part's query rows
+        unit, h = units[pair // kv_heads], pair % kv_heads
+        total = table[unit, 13] * group  # the unit's query rows
+        low, high = total * part // split, total * (part + 1) // split  # this part's
         if low == high:
             continue
-        end = start + count
-        padded = (end + 15) // 16 * 16
-        keys_at, values_at, itemsize = table[s, 0] + offset, table[s, 1] + offset, table[s, 7]
+        base = table[unit, 6] + h * total
+        itemsize = table[unit, 7]
         row_bytes = _row_bytes(itemsize, dim)
-        shared = table[s, 11]  # keys 0..shared from the other cache, the rest from this one's
-        shared_offset = (layer * kv_heads + h) * table[s, 10] * row_bytes
-        shared_keys, shared_values = table[s, 8] + shared_offset, table[s, 9] + shared_offset
+        shared = table[unit, 11]  # keys 0..shared from the prefix's cache, the rest from each sequence's own
+        shared_offset = (layer * kv_heads + h) * table[unit, 10] * row_bytes
+        shared_keys, shared_values = table[unit, 8] + shared_offset, table[unit, 9] + shared_offset
         tiles = kernels[0 if itemsize == 4 else (1 if itemsize == 2 else 2)]
         q = np.empty((high - low, dim), dtype=np.float32)
-        for r in range(low, high):
-            q[r - low] = qk[first + r // group, h * group + r % group]
-        rows_at = q.ctypes.data
+        for i in range(low, high):
+            s = _member(table, unit, i, group)
+            r = i - table[s, 14] * group
+            q[i - low] = qk[table[s, 3] + r // group, h * group + r % group]
+        rows_at, row_size = q.ctypes.data, 4 * dim
         if itemsize == 1:  # q8: the query rows rounded to 8 bits too, each with its scale and 128 x its sum
             packed = np.empty((high - low, dim + 8), dtype=np.int8)
             for r in range(high - low):
                 _store_bits(packed[r], dim + 4, 128 * _quantize(q[r], packed[r], False))
-            rows_at = packed.ctypes.data
-        scores_at = scores[base + low :].ctypes.data
+            rows_at, row_size = packed.ctypes.data, dim + 8
         if shared:
-            call(tiles[0], rows_at, high - low, shared_keys, shared, scores_at, width)
-        call(tiles[0], rows_at, high - low, keys_at + shared * row_bytes, padded - shared, scores_at + 4 * shared,
-             width)
-        for r in range(low, high):  # row r is query i = r // group, at position start + i: it sees keys 0..start + i
-            call(tiles[1], scores[base + r :].ctypes.data, start + r // group + 1, weights[base + r :].ctypes.data,
-                 padded, 0, 0)
+            call(tiles[0], rows_at, high - low, shared_keys, shared, scores[base + low :].ctypes.data, width)
+        s = _member(table, unit, low, group)
+        while s < table.shape[0] and table[s, 12] == unit and table[s, 14] * group < high:  # each sequence's own
+            a, b = max(low, table[s, 14] * group), min(high, (table[s, 14] + table[s, 5]) * group)
+            end = table[s, 4] + table[s, 5]
+            call(tiles[0], rows_at + (a - low) * row_size, b - a, _own(table, s, 0, layer, kv_heads, h, row_bytes),
+                 (end + 15) // 16 * 16 - shared, scores[base + a :].ctypes.data + 4 * shared, width)
+            for i in range(a, b):  # a row of s's query j at position start + j sees keys 0..start + j
+                call(tiles[1], scores[base + i :].ctypes.data, table[s, 4] + (i - table[s, 14] * group) // group + 1,
+                     weights[base + i :].ctypes.data, (end + 15) // 16 * 16, 0, 0)
+            s += 1
         most = len(tiles) - 2  # rows a values tile adds into at once (attention_tiles.value_rows)
         sums = np.empty((most, dim), dtype=np.float32)
         r = low
         while r < high:  # up to `most` rows share each value row read
             take = min(most, high - r)
-            weights_at = weights[base + r :].ctypes.data
             if shared:
-                call(tiles[1 + take], weights_at, width, shared_values, shared, sums.ctypes.data, 0)
-            call(tiles[1 + take], weights_at + 4 * shared, width, values_at + shared * row_bytes, end - shared,
-                 sums.ctypes.data, shared)
-            for i in range(take):
-                out[first + (r + i) // group, h * group + (r + i) % group, :] = sums[i]
+                call(tiles[1 + take], weights[base + r :].ctypes.data, width, shared_values, shared, sums.ctypes.data,
+                     0)
+            s = _member(table, unit, r, group)
+            while s < table.shape[0] and table[s, 12] == unit and table[s, 14] * group < r + take:
+                a, b = max(r, table[s, 14] * group), min(r + take, (table[s, 14] + table[s, 5]) * group)
+                call(tiles[1 + b - a], weights[base + a :].ctypes.data + 4 * shared, width,
+                     _own(table, s, 1, layer, kv_heads, h, row_bytes), table[s, 4] + table[s, 5] - shared,
+                     sums.ctypes.data + (a - r) * 4 * dim, shared)
+                for i in range(a, b):
+                    local = i - table[s, 14] * group
+                    out[table[s, 3] + local // group, h * group + local % group, :] = sums[i - r]
+                s += 1
             r += take
 
 
@@ -469,9 +512,12 @@ _LIBRARY.impl("cached_attention", cached_attention, "CPU")
 
 
 def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
-    """The kernel's table for `rows` (forward.Rows, float32 caches on the CPU) starting at first_rows in the batch."""
-    entries, score_row = [], 0
-    for r, first in zip(rows, first_rows):
+    """The kernel's table for `rows` (forward.Rows, float32 caches on the CPU) starting at first_rows in the batch.
+    Sequences that read one shared prefix (alternatives forked from one source: StaticCache.shared_prefix) form a
+    unit, with the source itself where it is in the batch (it reads the same positions from its own cache): their
+    entries adjacent, their score rows by head (`_task`)."""
+    entries, units = [], {}  # units: (prefix key address, positions) or (None, index) -> table entries
+    for index, (r, first) in enumerate(zip(rows, first_rows)):
         cache = r.cache
         if cache.keys.dtype == torch.int8 and attention_tiles.q8_instruction_set() is None:  # (its scores tile is
             capabilities.check("q8 cache attention")  # compiled only where it runs: this names what is missing)
@@ -479,10 +525,21 @@ def make_table(rows, first_rows: list[int], heads: int) -> torch.Tensor:
             raise ValueError(f"{len(r.ids)} rows at position {cache.length} overflow a cache of {cache.capacity}")
         other, count = cache.shared_prefix() or (cache, 0)
         entries.append([cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, first, cache.length,
-                        len(r.ids), score_row, cache.keys.element_size(), other.keys.data_ptr(),
-                        other.values.data_ptr(), other.capacity, count])
-        score_row += heads * len(r.ids)
-    return torch.tensor(entries, dtype=torch.int64).reshape(-1, COLUMNS)
+                        len(r.ids), 0, cache.keys.element_size(), other.keys.data_ptr(), other.values.data_ptr(),
+                        other.capacity, count])
+        units.setdefault((other.keys.data_ptr(), count) if count else (None, index), []).append(index)
+    for (address, count), members in list(units.items()):  # a source in the batch joins its followers' unit
+        source = next((i for i, entry in enumerate(entries) if entry[0] == address and entry[11] == 0), None)
+        if address is not None and source is not None and entries[source][4] >= count:
+            entries[source][8:12] = [*entries[source][0:3], count]  # (its prefix read from its own cache)
+            members.insert(0, units.pop((None, source))[0])
+    table, score_row = [], 0
+    for members in units.values():
+        unit, total = len(table), sum(entries[i][5] for i in members)
+        for offset, i in zip(itertools.accumulate((entries[i][5] for i in members), initial=0), members):
+            table.append(entries[i][:6] + [score_row] + entries[i][7:] + [unit, total, offset])
+        score_row += heads * total
+    return torch.tensor(table, dtype=torch.int64).reshape(-1, COLUMNS)
 
 
 @functools.cache
@@ -496,7 +553,8 @@ def ready() -> bool:
     values = torch.randn(1, 1, 16, 16)
     qkv = torch.randn(2, 3, 16)
     out = torch.empty(2, 1, 16)
-    entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 3, 2, 0, 4, 0, 0, 0, 0]], dtype=torch.int64)
+    entry = torch.tensor([[keys.data_ptr(), values.data_ptr(), 16, 0, 3, 2, 0, 4, 0, 0, 0, 0, 0, 2, 0]],
+                         dtype=torch.int64)
     with compiling_notice():
         cached_attention(qkv[:, :2], qkv[:, 2:], out, entry, 0, 1, 1, 2, 16)
         move_cached(keys, values, 4, 1, 3, torch.ones(2, dtype=torch.complex128))
