@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from codespec import sampling
 from codespec.config import SamplingParams
 from codespec.decode import generate_steps
 from codespec.drafters import Chain
@@ -128,3 +129,27 @@ def test_speculative_sampling_matches_the_models_distribution(model, drafter):
     assert chi_square(counts, np.array(exact)) < CHI2_CRITICAL[8]
     if drafter == "fixed":  # the drafts were really used: often accepted, often rejected
         assert 0.2 < accepted / drafted < 0.9
+
+
+@pytest.mark.parametrize("vocab", [49152, 152064, 1000, 300, 100])
+def test_top_k_of_float32_rows_is_torch_topks_and_takes_the_lower_id_of_equal_logits(vocab):
+    """sampling.top (numba's `_top` on a CPU's float32 rows, skipping the blocks that hold none of the k largest)
+    gives torch.topk's values and ids, largest first, for one row and several, k from 1 to 100; among equal logits
+    the lower ids, in order; -inf logits only where fewer than k are finite."""
+    generator = torch.Generator().manual_seed(vocab)
+    for rows, k in ((1, 40), (3, 40), (2, 1), (1, 100), (4, 7)):
+        logits = torch.randn(rows, vocab, generator=generator) * 4
+        logits[0, vocab // 3] = 50.0  # a clear winner, and its block the only one read first
+        values, ids = sampling.top(logits, k)
+        expected = torch.topk(logits, k, dim=-1)
+        assert torch.equal(values, expected.values) and torch.equal(ids, expected.indices)
+    tied = torch.zeros(1, vocab)
+    tied[0, 7 : 7 + 50] = 1.0  # 50 equal logits for 9 places
+    tied[0, vocab // 2 :] = float("-inf")
+    tied[0, -1] = 2.0
+    values, ids = sampling.top(tied, 10)
+    assert ids[0].tolist() == [vocab - 1] + list(range(7, 16)) and values[0].tolist() == [2.0] + [1.0] * 9
+    lonely = torch.full((1, vocab), float("-inf"))
+    lonely[0, 3] = 0.0
+    values, ids = sampling.top(lonely, 5)
+    assert ids[0, 0].item() == 3 and values[0, 1:].isinf().all()
