@@ -203,7 +203,8 @@ class WarpedRows:
         """draw(self[row]) without the vocabulary-wide vector where top-k or top-p keep a few tokens: their
         probabilities in token order, whose cumulative sum is the whole row's at every token kept (the dropped
         ones add zeros), inverted at the same one uniform draw. A sampled row: 0.285 -> 0.244 ms on a 2-core AVX2
-        CPU (torch.topk is most of what is left), several a tick when alternatives or sessions sample together."""
+        CPU; with `top` in place of torch.topk 0.232 -> 0.122 ms on a 2-core Intel host; several a tick when
+        alternatives or sessions sample together."""
         kept = _kept(self.logits[row : row + 1], self.params)
         if kept is None:
             return draw(self[row], generator)
