@@ -52,9 +52,9 @@ def top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(logits, k, dim=-1) of logits [n, vocab]: the k largest of each row and their ids, largest first
     (of equal ones the lower id first). A CPU's float32 rows go through `_top`: torch.topk took 160-200 us a row of
     49,152 on a 2-core CPU, a sampled token's whole share of a tick where three alternatives sample together."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
-        return torch.topk(logits, k, dim=-1)
-    rows = logits.contiguous().numpy()
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not 0 < k <= logits.shape[-1]:
+        return torch.topk(logits, k, dim=-1)  # (and its error for a k it cannot take)
+    rows = logits.detach().contiguous().numpy()
     if len(rows) == 1:  # (a sampled row: mostly one a call)
         values, ids = _top(rows[0], k)
         return torch.from_numpy(values)[None], torch.from_numpy(ids)[None]

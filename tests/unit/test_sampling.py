@@ -149,6 +149,10 @@ def test_top_k_of_float32_rows_is_torch_topks_and_takes_the_lower_id_of_equal_lo
     tied[0, -1] = 2.0
     values, ids = sampling.top(tied, 10)
     assert ids[0].tolist() == [vocab - 1] + list(range(7, 16)) and values[0].tolist() == [2.0] + [1.0] * 9
+    with pytest.raises(RuntimeError):  # torch.topk's own error for more than the row holds
+        sampling.top(torch.zeros(1, vocab), vocab + 1)
+    assert torch.equal(sampling.top(torch.arange(vocab, dtype=torch.float32)[None], vocab)[1][0],
+                       torch.arange(vocab - 1, -1, -1))
     lonely = torch.full((1, vocab), float("-inf"))
     lonely[0, 3] = 0.0
     values, ids = sampling.top(lonely, 5)
