@@ -105,10 +105,16 @@ def _units(table):
 
 
 @numba.njit(inline="always", cache=True)
+def _within(table, unit, s, group, high):
+    """Whether table entry s is a sequence of the unit whose query rows start before the unit's row `high`."""
+    return s < table.shape[0] and table[s, 12] == unit and table[s, 14] * group < high
+
+
+@numba.njit(inline="always", cache=True)
 def _member(table, unit, i, group):
     """The sequence of a unit (its first at table index `unit`) whose query rows hold the unit's row i."""
     s = unit
-    while s + 1 < table.shape[0] and table[s + 1, 12] == unit and table[s + 1, 14] * group <= i:
+    while _within(table, unit, s + 1, group, i + 1):
         s += 1
     return s
 
@@ -276,14 +282,14 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels,
         if shared:
             call(tiles[0], rows_at, high - low, shared_keys, shared, scores[base + low :].ctypes.data, width)
         s = _member(table, unit, low, group)
-        while s < table.shape[0] and table[s, 12] == unit and table[s, 14] * group < high:  # each sequence's own
+        while _within(table, unit, s, group, high):  # each sequence's own keys
             a, b = max(low, table[s, 14] * group), min(high, (table[s, 14] + table[s, 5]) * group)
-            end = table[s, 4] + table[s, 5]
+            padded = (table[s, 4] + table[s, 5] + 15) // 16 * 16
             call(tiles[0], rows_at + (a - low) * row_size, b - a, _own(table, s, 0, layer, kv_heads, h, row_bytes),
-                 (end + 15) // 16 * 16 - shared, scores[base + a :].ctypes.data + 4 * shared, width)
+                 padded - shared, scores[base + a :].ctypes.data + 4 * shared, width)
             for i in range(a, b):  # a row of s's query j at position start + j sees keys 0..start + j
                 call(tiles[1], scores[base + i :].ctypes.data, table[s, 4] + (i - table[s, 14] * group) // group + 1,
-                     weights[base + i :].ctypes.data, (end + 15) // 16 * 16, 0, 0)
+                     weights[base + i :].ctypes.data, padded, 0, 0)
             s += 1
         most = len(tiles) - 2  # rows a values tile adds into at once (attention_tiles.value_rows)
         sums = np.empty((most, dim), dtype=np.float32)
@@ -294,7 +300,7 @@ def _attend(qk, v, table, layer, heads, kv_heads, scores, weights, out, kernels,
                 call(tiles[1 + take], weights[base + r :].ctypes.data, width, shared_values, shared, sums.ctypes.data,
                      0)
             s = _member(table, unit, r, group)
-            while s < table.shape[0] and table[s, 12] == unit and table[s, 14] * group < r + take:
+            while _within(table, unit, s, group, r + take):  # each sequence's own values
                 a, b = max(r, table[s, 14] * group), min(r + take, (table[s, 14] + table[s, 5]) * group)
                 call(tiles[1 + b - a], weights[base + a :].ctypes.data + 4 * shared, width,
                      _own(table, s, 1, layer, kv_heads, h, row_bytes), table[s, 4] + table[s, 5] - shared,
