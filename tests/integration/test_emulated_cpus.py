@@ -5,7 +5,6 @@ qemu-user; for ARM64, Debian's arm64 Python unpacked into a folder and aarch64 w
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.emulated import arm64

@@ -1,14 +1,13 @@
 """--weights gguf: a GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in the few-row forward
 (codespec/forward/kernels/block_tiles.py)."""
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Type
 from gguf import quants
 
-from codespec.forward.kernels import block_tiles, q8_tiles
+from codespec.forward.kernels import block_tiles
 from codespec.errors import CodespecError
 from codespec.forward import LeanLlama, Rows, forward_path
 from tests.gguf_files import k_quant_model, q4_k_m, quantize, random_blocks, tensor, write_gguf

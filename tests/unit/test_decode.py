@@ -12,7 +12,7 @@ from codespec.sampling import Sampler
 from codespec.stats import GenerationStats
 from tests.conftest import random_prompt
 from tests.helpers import run_with_chain
-from tests.tiny import DEVICE, EOS, FixedContinuation
+from tests.tiny import EOS, FixedContinuation
 
 NONE = SpecConfig(spec=("none",))
 LOOKUP = SpecConfig(spec=("prompt-lookup",), draft_max=16, ngram_min=1, ngram_max=3)

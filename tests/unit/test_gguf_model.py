@@ -109,7 +109,7 @@ def test_materialized_gives_transformers_the_files_values(tmp_path, kind):
     model = tiny_arch_model(kind, dtype=torch.float32)
     path, loaded, _ = direct(tmp_path, model)
     full = gguf_model.materialized(loaded)
-    reference = forward_path(model, gguf=path, activations="float32")  # (overwrites model's weights with the file's)
+    forward_path(model, gguf=path, activations="float32")  # (overwrites model's weights with the file's)
     for (name, mine), theirs in zip(full.named_parameters(), model.parameters()):
         assert torch.equal(mine, theirs), name
     ids = list(range(5, 25))

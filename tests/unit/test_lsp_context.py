@@ -6,7 +6,6 @@ import numpy as np
 from codespec.config import SpecConfig
 from codespec.engine import Engine
 from codespec.context.extra import pick_chunks, split_chunks
-from codespec.drafters import NgramMod
 from lsp.documents import Document
 from lsp.fim_prompts import PrefixWindow
 from lsp.protocol import Settings

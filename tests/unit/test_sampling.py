@@ -53,17 +53,38 @@ def first_token_counts(trials: int, verify) -> np.ndarray:
                                     SamplingParams(temperature=1.3, top_k=5, top_p=0.5)])
 def test_a_row_drawn_from_the_kept_tokens_is_the_token_drawn_from_the_whole_vocabulary(params):
     """WarpedRows.draw takes the tokens top-k and top-p keep, in token order, and inverts their cumulative sum at
-    the same one uniform draw as draw() over the whole warped row: the same token for every seed."""
-    logits = torch.randn(4, 49152) * 3
-    rows = WarpedRows(logits, params)
+    the same one uniform draw as draw() over the whole warped row: the same token for every seed (on a CPU in numba:
+    sampling._draw_top and _draw_weighted; flat rows, where top-p keeps hundreds of tokens, included)."""
     tokens = set()
-    for seed in range(200):
-        whole, kept = (torch.Generator().manual_seed(seed) for _ in range(2))
-        token = rows.draw(seed % 4, kept)
-        assert token == draw(rows[seed % 4], whole)
-        assert torch.equal(whole.get_state(), kept.get_state())  # one draw each
-        tokens.add(token)
+    for flat in range(4):
+        logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(flat)) * 3
+        rows = WarpedRows(logits, params)
+        warped = [rows[row] for row in range(4)]
+        for seed in range(100):
+            whole, kept = (torch.Generator().manual_seed(seed) for _ in range(2))
+            token = rows.draw(seed % 4, kept)
+            assert token == draw(warped[seed % 4], whole)
+            assert torch.equal(whole.get_state(), kept.get_state())  # one draw each
+            tokens.add(token)
     assert len(tokens) > 3
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 3, 8, 9])
+def test_a_drawn_row_never_takes_a_token_warp_drops_and_of_equal_logits_ranks_the_lower_id_first(top_k):
+    """Rows with -inf logits (a constraint's), ties, a top-p that keeps one token and a top-k of the whole
+    vocabulary: every token drawn has a probability under warp(); top-k 1 and the smallest top-p take the largest
+    logit, of equal ones the lowest id."""
+    logits = torch.tensor([[2.0, 5.0, float("-inf"), 5.0, 1.0, float("-inf"), 5.0, 0.5, -3.0],
+                           [float("-inf")] * 4 + [0.0] + [float("-inf")] * 4])
+    for params in (SamplingParams(temperature=1.0, top_k=top_k), SamplingParams(temperature=0.5, top_k=top_k, top_p=0.7),
+                   SamplingParams(temperature=2.0, top_k=top_k, top_p=1e-6)):
+        rows, probs = WarpedRows(logits, params), warp(logits, params)
+        for seed in range(60):
+            for row in range(2):
+                token = rows.draw(row, torch.Generator().manual_seed(seed))
+                assert probs[row, token] > 0
+                if top_k == 1 or params.top_p == 1e-6:
+                    assert token == (1 if row == 0 else 4)
 
 
 def test_exact_match_with_a_deterministic_draft_samples_the_target():

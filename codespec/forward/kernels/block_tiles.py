@@ -137,8 +137,8 @@ def _block(kind: str, rows: int) -> str:
     layout = KINDS[kind]
     text = f"  %qbb = mul i64 %b, {layout.q_bytes}\n  %qpb = getelementptr i8, ptr %q0, i64 %qbb\n"
     if layout.bits == 4:  # nibbles: byte i holds weight i (low) and weight 16 + i (high)
-        text += (f"  %qvb = load <16 x i8>, ptr %qpb, align 1\n  %qwb = zext <16 x i8> %qvb to <16 x i32>\n"
-                 f"  %lob = and <16 x i32> %qwb, splat (i32 15)\n  %hib = lshr <16 x i32> %qwb, splat (i32 4)\n")
+        text += ("  %qvb = load <16 x i8>, ptr %qpb, align 1\n  %qwb = zext <16 x i8> %qvb to <16 x i32>\n"
+                 "  %lob = and <16 x i32> %qwb, splat (i32 15)\n  %hib = lshr <16 x i32> %qwb, splat (i32 4)\n")
         text += f"  %qb0 = uitofp <16 x i32> %lob to {VECTOR}\n  %qb1 = uitofp <16 x i32> %hib to {VECTOR}\n"
     else:  # 32 signed bytes
         text += (f"  %qvb = load <32 x i8>, ptr %qpb, align 1\n  %qwb = sext <32 x i8> %qvb to <32 x i32>\n"
@@ -159,7 +159,7 @@ def _block(kind: str, rows: int) -> str:
         s = h if layout.scales == 2 else 0
         text += (f"  %wb{h} = call {VECTOR} {FMA}({VECTOR} %qb{h}, {VECTOR} %dv{s}b, {VECTOR} %mv{s}b)\n"
                  if layout.minimum or layout.offset else f"  %wb{h} = fmul {VECTOR} %qb{h}, %dv{s}b\n")
-    text += f"  %xbb = mul i64 %b, 32\n"
+    text += "  %xbb = mul i64 %b, 32\n"
     for j in range(rows):
         for h in (0, 1):
             text += (f"  %xp{j}b{h} = getelementptr float, ptr %x{j}, i64 %xbb\n" if h == 0 else
