@@ -93,16 +93,22 @@ def test_with_the_kernel_a_batch_gives_each_sequence_what_pytorch_attention_give
             assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_a_slow_first_compile_is_announced_once(capsys, monkeypatch):
+def test_a_first_compile_is_announced_once_and_a_load_from_the_cache_not_at_all(capsys, monkeypatch):
+    """The notice comes with numba's compile event (a cache miss), however long loading takes, and only once."""
     import time
 
+    import numba
+
     monkeypatch.setattr(attention, "_NOTICED", __import__("threading").Event())
-    with attention.compiling_notice(seconds=0.0):
-        time.sleep(0.2)
-    with attention.compiling_notice(seconds=0.0):
-        time.sleep(0.2)
-    with attention.compiling_notice(seconds=5.0):  # done before the notice is due: nothing said
-        pass
+    compiled = numba.njit(lambda x: x + 1)
+    with attention.compiling_notice():  # loading that compiles nothing, however slowly: nothing said
+        time.sleep(1.2)
+    assert "compiling" not in capsys.readouterr().err
+    with attention.compiling_notice():
+        compiled(1)
+    with attention.compiling_notice():
+        numba.njit(lambda x: x + 2)(1)
+        compiled(2)
     assert capsys.readouterr().err.count("compiling the CPU kernels") == 1
 
 

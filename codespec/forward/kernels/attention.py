@@ -35,6 +35,7 @@ import threading
 from typing import Optional
 
 import numba
+from numba.core import event as numba_events
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -576,19 +577,20 @@ _NOTICED = threading.Event()
 
 
 @contextlib.contextmanager
-def compiling_notice(seconds: float = 1.0):
-    """One line on stderr, once per process, when loading the kernels takes longer than `seconds`: the first use
-    on a machine compiles them (about 30 s on 2 cores for attention.py, layers.py and block_tiles.py together;
-    then they load from numba's on-disk cache in well under a second)."""
-    def say():
-        if not _NOTICED.is_set():
-            _NOTICED.set()
-            print("codespec: compiling the CPU kernels (numba, once per machine, about 30 s)", file=sys.stderr,
-                  flush=True)
-    timer = threading.Timer(seconds, say)
-    timer.daemon = True
-    timer.start()
-    try:
+def compiling_notice():
+    """One line on stderr, once per process, when loading the kernels compiles one: the first use on a machine
+    compiles them (about 30 s on 2 cores for attention.py, layers.py and block_tiles.py together; then they load from
+    numba's on-disk cache in well under a second). Said at numba's own "numba:compile" event, which only a cache
+    miss raises: a timer said it whenever loading took over a second, which on a busy host was every start."""
+    class Notice(numba_events.Listener):
+        def on_start(self, event):
+            if not _NOTICED.is_set():
+                _NOTICED.set()
+                print("codespec: compiling the CPU kernels (numba, once per machine, about 30 s)", file=sys.stderr,
+                      flush=True)
+
+        def on_end(self, event):
+            pass
+
+    with numba_events.install_listener("numba:compile", Notice()):
         yield
-    finally:
-        timer.cancel()
