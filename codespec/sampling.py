@@ -243,12 +243,7 @@ def _draw_top(row, k, temperature, top_p, u):
         return ids[0]
     weights = np.exp((scaled - scaled[0]).astype(np.float64))
     if top_p < 1.0:
-        covered, total = top_p * weights.sum(), 0.0
-        for i in range(k):  # (most likely first)
-            dropped = total >= covered
-            total += weights[i]
-            if dropped:
-                weights[i] = 0.0
+        weights[_covering(weights, top_p * weights.sum()):] = 0.0
     order = np.argsort(ids)
     return ids[order][_invert(weights[order], u)]
 
@@ -265,18 +260,26 @@ def _draw_weighted(scaled, weights, top_p, u):
     if top_p >= 1.0:
         return _invert(weights, u)
     covered = top_p * _sum(weights, 0, vocab)
-    k = min(RANKED, vocab)
-    ids = _top(scaled, k)[1]
-    running = 0.0
-    for i in range(k + 1):
-        if i == vocab or (i < k and running >= covered):  # (tokens i and past: dropped)
-            kept = np.sort(ids[:i])
-            return kept[_invert(weights[kept], u)]
-        if i < k:
-            running += weights[ids[i]]
+    ids = _top(scaled, min(RANKED, vocab))[1]
+    count = _covering(weights[ids], covered)
+    if count < len(ids) or len(ids) == vocab:
+        kept = np.sort(ids[:count])
+        return kept[_invert(weights[kept], u)]
     kept_mask = np.empty(vocab, np.bool_)
     _nucleus(scaled, weights, covered, kept_mask)
     return _invert(np.where(kept_mask, weights, np.float32(0.0)), u)
+
+
+@numba.njit(cache=True, boundscheck=False)
+def _covering(ranked, covered):
+    """How many of the weights `ranked` (most likely first) top-p keeps: each while those before it cover less than
+    `covered` (all of them where they never do)."""
+    total = 0.0
+    for i in range(ranked.shape[0]):
+        if total >= covered:
+            return i
+        total += ranked[i]
+    return ranked.shape[0]
 
 
 RANKED = 64  # `_draw_weighted`'s most likely tokens, sorted, that mostly cover top-p (the default model on code)
