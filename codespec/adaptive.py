@@ -142,7 +142,13 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
     one forward each a round, for `repeats` rounds after a warm-up round, and the fastest of a size's rounds counts:
     other load on the machine only ever adds time, and a burst of it then costs one size one round, not every
     repeat of one size (timed back to back, a 40 ms burst priced 2 rows at 2.5x one on a 2-core AVX2 host, where
-    they take 1.2x, and held back every one-token draft of a whole bench run).
+    they take 1.2x, and held back every one-token draft of a whole bench run). A round goes from the largest size
+    down, and a size whose forward is short runs SETTLE times untimed before its timed one: generation runs
+    forwards of a few sizes back to back, and a forward right after a much longer one costs more than it does there
+    (on a 2-core Intel Xeon, 2026-12-07: a one-token forward right after a 128-row one 7.0-7.5 ms, the next three
+    7.2, 6.1 and 4.9, then 4.2-4.5; timed that way, the table's one row was priced so high that every size past it
+    looked cheap, a draft row at 0.3-0.4 of what it cost in generation, and a sampled request whose drafts were
+    accepted a third of the time ran slower than plain decoding; timed settled, from the largest down, 0.96-1.14).
     budget: seconds the timed forwards may take, at least LEAST rounds after the warm-up: the warm-up round goes
     from the smallest size up and stops where a size would not fit, and fewer rounds run where `repeats` would not.
     A size not timed is priced as dear a token as the largest one timed (more rows never cost a token more: steady),
@@ -169,8 +175,15 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
         cache.crop(length)
         return seconds
 
+    short: set[int] = set()  # sizes whose forward is short: each timed one follows SETTLE untimed ones
+
+    def settled(size: int) -> float:
+        for _ in range(SETTLE if size in short else 0):
+            once(size)
+        return once(size)
+
     def fastest(chosen: tuple[int, ...], warm_up: bool = True) -> list[float]:
-        timings = [[once(size) for size in chosen] for _ in range(repeats + warm_up)][warm_up:]
+        timings = [[settled(size) for size in chosen[::-1]][::-1] for _ in range(repeats + warm_up)][warm_up:]
         return [min(column) for column in zip(*timings)]
 
     warm: list[float] = []  # round 0 warms up, and with a budget picks the sizes and the rounds that fit it
@@ -180,8 +193,10 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
                 break
         warm.append(once(size))
     timed = sizes[: len(warm)]
+    short.update(size for size, seconds in zip(timed, warm) if seconds < SETTLE_BELOW)
     if budget is not None:
-        repeats = max(LEAST, min(repeats, int(budget / sum(warm)) - 1))
+        a_round = sum(seconds * (1 + SETTLE * (size in short)) for size, seconds in zip(timed, warm))
+        repeats = max(LEAST, min(repeats, int(budget / a_round) - 1))
     table = fastest(timed, warm_up=False)
     table += [table[-1] * n / timed[-1] for n in sizes[len(timed) :]]
     key_seconds = row_key_seconds = 0.0
@@ -197,6 +212,8 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
 
 
 LEAST = 2  # timed rounds after the warm-up, however little a budget leaves
+SETTLE = 4  # untimed forwards of a size before each timed one, for sizes whose forward takes under SETTLE_BELOW
+SETTLE_BELOW = 0.025  # seconds
 BUDGET = 5.0  # seconds of timed forwards for a table kept on disk (cached_costs): the default model's whole table, 6
 # rounds (~4 s on a 2-core AVX2 host); a 1.7B model's sizes up to 16 or 32, 2 rounds; a 7B's up to 2 or 4
 
@@ -281,10 +298,11 @@ def pinned_costs(file: str) -> CostModel:
 
 @functools.cache
 def forward_code() -> str:
-    """A digest of the modules a forward runs: a table measured before they changed (an upgrade, a faster kernel)
-    is measured again. (A table of 2026-11-25 measured before the q8 kernels took prompts, and on a busy host,
-    priced 8 rows at 24.6 ms where they took 8.7, and kept 8 sessions from verifying any draft.)"""
-    digest = hashlib.sha256()
+    """A digest of the modules a forward runs, and of this one, which measures them: a table measured before they
+    changed (an upgrade, a faster kernel, another way of timing) is measured again. (A table of 2026-11-25 measured
+    before the q8 kernels took prompts, and on a busy host, priced 8 rows at 24.6 ms where they took 8.7, and kept 8
+    sessions from verifying any draft.)"""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
     for module in sorted((Path(__file__).parent / "forward").rglob("*.py")):
         digest.update(module.read_bytes())
     return digest.hexdigest()[:16]

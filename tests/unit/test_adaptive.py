@@ -8,6 +8,7 @@ import torch
 
 from codespec.adaptive import (SIZES, DraftingCosts, Acceptance, Adaptive, CostModel, allocate, cached_costs, choose,
                                measure_costs, steady)
+from codespec import adaptive
 from codespec.config import SamplingParams, SpecConfig
 from codespec.decode import generate_steps
 from codespec.drafters import Chain
@@ -240,12 +241,29 @@ def fake_forward(monkeypatch, extra):
 
 
 def test_measured_sizes_take_turns_so_a_burst_of_load_costs_one_round_not_one_size(monkeypatch):
-    """A fake forward on a fake clock: n rows take n ms, except six calls in a row (another process's burst) that
-    take 50 ms more. Timed back to back, one size would have had all its repeats in the burst."""
-    path, clock = fake_forward(monkeypatch, lambda sizes, n: 0.05 if 6 <= len(sizes) < 12 else 0.0)
+    """A fake forward on a fake clock: n rows take n ms, except twenty calls in a row (another process's burst)
+    that take 50 ms more. Timed back to back, one size would have had all its repeats in the burst."""
+    path, clock = fake_forward(monkeypatch, lambda sizes, n: 0.05 if 4 <= len(sizes) < 24 else 0.0)
     costs = measure_costs(path, 100, context=8, sizes=(1, 2, 4), repeats=4, longer=0)
     assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3))
-    assert clock.sizes[1:8] == [1, 2, 4, 1, 2, 4, 1]  # (after the context's forward) every size, round by round
+    settled = 1 + adaptive.SETTLE  # (each a short forward: its timed one after SETTLE untimed ones)
+    # after the context's forward and the warm-up round, every size, round by round, from the largest down
+    assert clock.sizes[4 : 4 + 6 * settled] == ([4] * settled + [2] * settled + [1] * settled) * 2
+
+
+def test_each_size_is_timed_as_it_runs_in_generation_not_right_after_a_longer_forward(monkeypatch):
+    """A forward right after a longer one costs more for a while (on a 2-core Intel Xeon a one-token forward after a
+    128-row one took 7 ms, three forwards later 4.5): the fake forward's first three forwards after a larger one
+    take 5 ms more. Each size is timed settled, after SETTLE untimed forwards of its own size, from the largest
+    down: the table is the steady n ms for n rows."""
+
+    def after_a_longer_one(sizes, n):
+        recent = sizes[-3:]
+        return 0.005 if any(m > n for m in recent) else 0.0
+
+    path, clock = fake_forward(monkeypatch, after_a_longer_one)
+    costs = measure_costs(path, 100, context=8, sizes=(1, 2, 4, 8), repeats=3, longer=0)
+    assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3))
 
 
 def test_a_budget_times_the_sizes_that_fit_it_and_prices_the_rest_as_dear_a_token(monkeypatch):
@@ -253,13 +271,24 @@ def test_a_budget_times_the_sizes_that_fit_it_and_prices_the_rest_as_dear_a_toke
     `repeats` would not, and the sizes not timed cost as much a token as the largest one timed (a 1.7B model's whole
     table took 75 s). The fake forward takes n ms for n rows, the first forward of each size 10 ms more."""
     path, clock = fake_forward(monkeypatch, lambda sizes, n: 0.01 if n not in sizes else 0.0)
+    monkeypatch.setattr(adaptive, "SETTLE_BELOW", 0.0)  # (no size settles: each forward of a round is timed)
     # warm-up: 1 row 11 ms, 2 rows 12 ms; 4 rows would make (23 + 24) x 3 > 100 ms: not timed
     costs = measure_costs(path, 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0, budget=0.1)
     assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3))
-    assert clock.sizes[1:] == [1, 2] + [1, 2] * 3  # 100 ms / 23 ms: 3 rounds after the warm-up
+    assert clock.sizes[1:] == [1, 2] + [2, 1] * 3  # 100 ms / 23 ms: 3 rounds after the warm-up (largest first)
     clock.sizes.clear()
     whole = measure_costs(path, 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0)  # no budget: all, 6 rounds
-    assert whole.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3)) and clock.sizes[1:] == [1, 2, 4, 8] * 7
+    assert whole.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3)) and clock.sizes[1:] == [1, 2, 4, 8] + [8, 4, 2, 1] * 6
+
+
+def test_a_budget_counts_the_settling_forwards(monkeypatch):
+    """Short sizes run SETTLE untimed forwards before each timed one; a budget counts them: 1 and 2 rows (11 and
+    12 ms in the warm-up) cost (1 + SETTLE) x 23 ms a round, more than 100 ms, so the LEAST rounds run."""
+    path, clock = fake_forward(monkeypatch, lambda sizes, n: 0.01 if n not in sizes else 0.0)
+    costs = measure_costs(path, 100, context=8, sizes=(1, 2, 4, 8), repeats=6, longer=0, budget=0.1)
+    assert costs.seconds == pytest.approx((1e-3, 2e-3, 4e-3, 8e-3))
+    settled = 1 + adaptive.SETTLE
+    assert clock.sizes[1:] == [1, 2] + ([2] * settled + [1] * settled) * adaptive.LEAST
 
 
 def test_a_stretched_cache_holds_copies_of_its_positions_and_a_forward_runs_on_it(model):
@@ -621,15 +650,16 @@ def test_a_table_measured_beside_other_work_is_not_believed(table, believed):
 
 
 class ClockedPath:
-    """A fake forward on a fake clock: n rows take QUIET's time, and one row `burst` seconds more on calls up to
-    `until` (another process's load: a forward of one size slowed in every round of a measurement)."""
+    """A fake forward on a fake clock: n rows take QUIET's time, and one row `burst` seconds more in the first `busy`
+    measurements (another process's load: a forward of one size slowed in every round of a measurement). A
+    measurement begins with one forward over its whole context (its cache cannot stretch): they are counted."""
 
-    def __init__(self, monkeypatch, until=0, burst=0.48):
+    def __init__(self, monkeypatch, busy=0, burst=0.48):
         import types
 
         import codespec.adaptive as adaptive
 
-        self.now, self.calls, self.until, self.burst = 0.0, 0, until, burst
+        self.now, self.measurements, self.busy, self.burst = 0.0, 0, busy, burst
         monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
         self.times = dict(zip(SIZES, (ms / 1e3 for ms in QUIET)))
 
@@ -637,9 +667,10 @@ class ClockedPath:
         return types_cache()
 
     def __call__(self, cache, tokens, n):
-        self.calls += 1
+        if cache.length == 0:
+            self.measurements += 1
         self.now += self.times.get(len(tokens), 1e-3 * len(tokens))
-        if len(tokens) == 1 and self.calls <= self.until:
+        if len(tokens) == 1 and self.measurements <= self.busy:
             self.now += self.burst
         cache.length += len(tokens)
 
@@ -662,9 +693,9 @@ def test_an_unsteady_measurement_is_measured_again_and_the_steady_one_kept(tmp_p
     """The first measurement's one-row forwards are slowed in every round (its fastest round too); the second
     measurement is quiet, and it is the one used and written."""
     monkeypatch.setenv("CODESPEC_HOME", str(tmp_path))
-    path = ClockedPath(monkeypatch, until=72)  # (a measurement: 1 + 7 rounds x 8 sizes + 1 + 7 x 2 forwards)
+    path = ClockedPath(monkeypatch, busy=1)
     costs = cached_costs(path, named_model(), 100)
-    assert path.calls > 72 and steady(costs.sizes, costs.seconds)
+    assert path.measurements == 2 and steady(costs.sizes, costs.seconds)
     assert costs.seconds == pytest.approx(tuple(ms / 1e3 for ms in QUIET))
     (file,) = (tmp_path / "costs").glob("*.json")
     assert json.loads(file.read_text())["seconds"] == pytest.approx(list(costs.seconds))
@@ -673,9 +704,9 @@ def test_an_unsteady_measurement_is_measured_again_and_the_steady_one_kept(tmp_p
 def test_a_machine_busy_through_every_measurement_is_not_kept_and_a_kept_unsteady_table_is_measured_again(
         tmp_path, monkeypatch):
     monkeypatch.setenv("CODESPEC_HOME", str(tmp_path))
-    busy = ClockedPath(monkeypatch, until=10 ** 6)
+    busy = ClockedPath(monkeypatch, busy=10 ** 6)
     costs = cached_costs(busy, named_model(), 100)
-    assert not steady(costs.sizes, costs.seconds) and busy.calls == 3 * 72  # measured three times
+    assert not steady(costs.sizes, costs.seconds) and busy.measurements == 3
     assert not (tmp_path / "costs").exists() or not list((tmp_path / "costs").glob("*.json"))  # not kept
     quiet = ClockedPath(monkeypatch)
     first = cached_costs(quiet, named_model(), 100)
@@ -684,6 +715,6 @@ def test_a_machine_busy_through_every_measurement_is_not_kept_and_a_kept_unstead
     file.write_text(json.dumps({**data, "seconds": [0.487, 0.481, 0.291, 0.032, 0.037, 0.072, 0.144, 1.92]}))
     fresh = ClockedPath(monkeypatch)
     again = cached_costs(fresh, named_model(), 100)
-    assert fresh.calls == 72  # measured again, not read
+    assert fresh.measurements == 1  # measured again, not read
     assert again.seconds == pytest.approx(first.seconds)
     assert json.loads(file.read_text())["seconds"] == pytest.approx(list(first.seconds))
