@@ -68,6 +68,24 @@ def test_a_forward_over_several_sequences_teaches_what_each_sequence_adds_not_th
     assert sum(allocate(folded, drafts, 7, 7)) == 0
 
 
+def test_a_prompt_chunk_teaches_the_verify_costs_nothing(model):
+    """Prompt chunks take a path of their own (bfloat16 weights, a forward apart); learnt from, one prefill raised
+    every multi-row estimate by a third and n_cmpl's alternatives kept it for a whole request. A forward that holds
+    a prompt chunk leaves the costs as they were; a verify forward over the same rows teaches them."""
+    from codespec.decode import forward_batch
+    from codespec.forward.rows import Rows
+
+    path = forward_path(model)
+    costs = CostModel((1, 2, 4, 8), (1e3, 2e3, 4e3, 8e3))  # (seconds no forward here takes: any observation moves it)
+    cache = path.new_cache()
+    forward_batch(path, [Rows(cache, [5, 6, 7, 8], 1, prompt=True)], costs)
+    other = path.new_cache()
+    forward_batch(path, [Rows(cache, [9, 10], 1, prompt=True), Rows(other, [4, 5], 2, generating=True)], costs)
+    assert (costs.one, costs.ratio, costs.per_sequence) == (1e3, 1.0, 0.0)
+    forward_batch(path, [Rows(cache, [11, 12, 13, 14], 4, generating=True)], costs)
+    assert costs.ratio < 1.0
+
+
 def measured_here() -> CostModel:
     """This CPU's q8 forward (2026-11-25): the table over 256 cached tokens, and what each cached key adds."""
     return CostModel(SIZES, (0.00374, 0.00423, 0.0054, 0.00842, 0.01526, 0.02872, 0.05471, 0.1111),
