@@ -147,8 +147,8 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
     forwards of a few sizes back to back, and a forward right after a much longer one costs more than it does there
     (on a 2-core Intel Xeon, 2026-12-07: a one-token forward right after a 128-row one 7.0-7.5 ms, the next three
     7.2, 6.1 and 4.9, then 4.2-4.5; timed that way, the table's one row was priced so high that every size past it
-    looked cheap, a draft row at 0.3-0.4 of what it cost in generation, and a sampled request whose drafts were
-    accepted a third of the time ran slower than plain decoding; timed settled, from the largest down, 0.96-1.14).
+    looked cheap: a draft row at 0.3-0.4 of what it added to a run of one-token forwards; timed settled, from the
+    largest down, 0.96-1.14 of it).
     budget: seconds the timed forwards may take, at least LEAST rounds after the warm-up: the warm-up round goes
     from the smallest size up and stops where a size would not fit, and fewer rounds run where `repeats` would not.
     A size not timed is priced as dear a token as the largest one timed (more rows never cost a token more: steady),

@@ -99,8 +99,8 @@ def forward_batch(path, rows: list[Rows], costs: CostModel | None = None) -> lis
     forwards without a prompt chunk, which take a path of their own (bfloat16 weights, a forward apart: LeanLlama.batch)
     and price nothing that is verified. Taught by them, one prefill of a 930-token prompt (128-token chunks at 180-240
     ms, where the table's 128 verify rows took 119) raised every multi-row estimate by a third, and n_cmpl's
-    alternatives, whose forwards are never one row, kept it for the whole request: a tick of three rows priced 24 ms
-    against 14, and draft rows verified at alpha 0.4 where they did not pay (2026-12-07)."""
+    alternatives, whose forwards are never one row (the excess fades only with one-token forwards), kept it for the
+    whole request (2026-12-07)."""
     keys, row_keys = attended(rows)
     started = time.perf_counter()
     logits = path.batch(rows)
