@@ -183,7 +183,8 @@ def measure_costs(path, vocab_size: int, context: int = 256, sizes: tuple[int, .
         return once(size)
 
     def fastest(chosen: tuple[int, ...], warm_up: bool = True) -> list[float]:
-        timings = [[settled(size) for size in chosen[::-1]][::-1] for _ in range(repeats + warm_up)][warm_up:]
+        # each round from the largest size down, each row of timings in `chosen`'s order
+        timings = [[settled(size) for size in reversed(chosen)][::-1] for _ in range(repeats + warm_up)][warm_up:]
         return [min(column) for column in zip(*timings)]
 
     warm: list[float] = []  # round 0 warms up, and with a budget picks the sizes and the rounds that fit it

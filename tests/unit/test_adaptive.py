@@ -235,8 +235,6 @@ def fake_forward(monkeypatch, extra):
     clock.sizes lists every forward's rows."""
     import types
 
-    import codespec.adaptive as adaptive
-
     clock = types.SimpleNamespace(now=0.0, sizes=[])
     monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
 
@@ -674,8 +672,6 @@ class ClockedPath:
 
     def __init__(self, monkeypatch, busy=0, burst=0.48):
         import types
-
-        import codespec.adaptive as adaptive
 
         self.now, self.measurements, self.busy, self.burst = 0.0, 0, busy, burst
         monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
